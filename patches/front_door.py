@@ -1,0 +1,128 @@
+"""The `self-admg` method name in every vLLM spelling, checked before the engine starts.
+
+vLLM 0.32's `SpeculativeConfig` accepts only its own methods and keys (pydantic,
+extra="forbid"), so self-admg rides on its `custom_class` method with our proposer class:
+`EngineArgs.create_speculative_config` (the one place all spellings meet, in the front-end
+process) rewrites a self-admg config before vLLM validates it, moves our options into
+`additional_config["self_admg"]` (vLLM's sanctioned channel to the workers) and rejects
+unsupported set-ups with one readable error.
+
+Spellings: --speculative-config/-sc JSON and LLM(speculative_config=dict) with method or model
+"self-admg"; --spec-method self-admg (argparse choices come from the dataclass field type, so
+the type is widened); the legacy --speculative-model self-admg [--num-speculative-tokens K],
+added back as aliases of --spec-model/--spec-tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+from vllm_selfspec.options import (
+    ADDITIONAL_CONFIG_KEY,
+    METHOD_NAME,
+    SUPPORTED_ARCHITECTURES,
+    SelfAdmgConfigError,
+    is_self_admg,
+    parse_speculative_config,
+)
+
+
+def merge_spec_flags(engine_args) -> dict | None:
+    """Fold --spec-method/--spec-model/--spec-tokens into the speculative-config dict, as vLLM
+    does, so that a self-admg request is recognised whichever way it was spelled."""
+    spec = dict(engine_args.speculative_config) if engine_args.speculative_config else None
+    for flag, key, attr in (("--spec-method", "method", "spec_method"),
+                            ("--spec-model", "model", "spec_model"),
+                            ("--spec-tokens", "num_speculative_tokens", "spec_tokens")):
+        value = getattr(engine_args, attr)
+        if value is None:
+            continue
+        spec = spec or {}
+        if key in spec:
+            raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        spec[key] = value
+    return spec
+
+
+def check_supported(engine_args, model_config, parallel_config) -> None:
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        raise SelfAdmgConfigError(
+            f"self-admg does not support the model architecture {architectures}; supported "
+            f"architectures are {list(SUPPORTED_ARCHITECTURES)}")
+    if parallel_config.pipeline_parallel_size > 1:
+        raise SelfAdmgConfigError(
+            f"self-admg needs every decoder layer on each rank; pipeline_parallel_size="
+            f"{parallel_config.pipeline_parallel_size} is not supported (allowed: 1; tensor "
+            "parallelism is supported)")
+    if engine_args.enable_lora:
+        raise SelfAdmgConfigError("self-admg does not support LoRA (enable_lora must be False)")
+
+
+def _wrap_create_speculative_config(engine_args_cls) -> None:
+    original = engine_args_cls.create_speculative_config
+    if getattr(original, "_self_admg", False):
+        return
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = merge_spec_flags(self)
+        if not is_self_admg(spec):
+            return original(self, target_model_config, target_parallel_config)
+        from vllm.config import SpeculativeConfig
+
+        vllm_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        vllm_spec, options = parse_speculative_config(spec, vllm_keys)
+        check_supported(self, target_model_config, target_parallel_config)
+        self.speculative_config = vllm_spec
+        self.spec_method = self.spec_model = self.spec_tokens = None
+        self.additional_config = {**(self.additional_config or {}),
+                                  ADDITIONAL_CONFIG_KEY: options.as_dict()}
+        return original(self, target_model_config, target_parallel_config)
+
+    create_speculative_config._self_admg = True
+    engine_args_cls.create_speculative_config = create_speculative_config
+
+
+def _widen_method_choices() -> None:
+    """Let argparse accept --spec-method self-admg (pydantic never sees it: it is rewritten)."""
+    from vllm.config import SpeculativeConfig
+    from vllm.engine import arg_utils
+
+    field = SpeculativeConfig.__dataclass_fields__["method"]
+    choices = get_args(field.type)
+    if METHOD_NAME not in choices:
+        field.type = Literal[(*choices, METHOD_NAME)]
+        arg_utils._compute_kwargs.cache_clear()
+
+
+def _add_legacy_flags(engine_args_cls) -> None:
+    original = engine_args_cls.add_cli_args
+    if getattr(original, "_self_admg", False):
+        return
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        known = {s for action in parser._actions for s in action.option_strings}
+        if "--speculative-model" not in known:
+            parser.add_argument(
+                "--speculative-model", dest="spec_model", default=None,
+                help=f"legacy spelling of --spec-model; '--speculative-model {METHOD_NAME}' "
+                     "turns on self-speculative decoding (vllm-selfspec)")
+        if "--num-speculative-tokens" not in known:
+            parser.add_argument(
+                "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
+                help="legacy spelling of --spec-tokens (maximum draft length)")
+        return parser
+
+    add_cli_args._self_admg = True
+    engine_args_cls.add_cli_args = staticmethod(add_cli_args)
+
+
+def apply() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    _wrap_create_speculative_config(EngineArgs)
+    _widen_method_choices()
+    _add_legacy_flags(EngineArgs)
+

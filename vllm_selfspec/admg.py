@@ -1,0 +1,122 @@
+"""The Adaptive Draft Model Generator (ADMG): per-sequence statistics in, skip masks out.
+
+Pure functions, no vLLM. The statistic (Metel et al., "Draft on the Fly", EMNLP Findings 2024)
+is, for each decoder layer l and sublayer f in {attention, MLP}, the cosine similarity between
+the residual stream entering f and the stream after f's output is added, averaged over the
+prompt's tokens. A similarity near 1 means f barely changes the stream, so a draft may skip it.
+
+Rules, applied in this order (each switchable through `SelfAdmgOptions`):
+1. threshold (the paper's rule): skip f when its similarity is above the threshold.
+2. fill_gaps (structural, ours, in the paper's spirit of rules that remove more layers): a kept
+   sublayer whose neighbours of the same kind, within `fill_gaps` layers on *both* sides, are
+   skipped is skipped too. Redundancy comes in contiguous runs of depth; a lone kept sublayer
+   inside a run is usually a similarity just under the threshold, and removing it saves a
+   sublayer at little cost.
+3. keep_edge_layers (structural, ours): nothing in the first and last N layers is skipped. The
+   first layers turn token embeddings into features (their similarity is low on every model
+   we measured, e.g. 0.05 at layer 0 of Qwen2.5-Coder-1.5B) and the last layer writes the
+   features the LM head reads; skipping either hurts every later token, whatever the
+   similarity says. Applied last so that no other rule can undo it.
+
+The paper's exact wording of its two structural rules was not at hand; rules 2 and 3 are our
+design and are tested for what they promise in tests/test_admg.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from vllm_selfspec.options import SelfAdmgOptions
+
+
+@dataclass(frozen=True)
+class SkipMask:
+    """Which sublayers one sequence's draft skips, per decoder layer."""
+
+    attention: tuple[bool, ...]
+    mlp: tuple[bool, ...]
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.attention) + sum(self.mlp)
+
+    @classmethod
+    def keep_all(cls, num_layers: int) -> "SkipMask":
+        return cls((False,) * num_layers, (False,) * num_layers)
+
+
+@dataclass
+class SimilaritySums:
+    """Running sums of per-token cosine similarities of one sequence, so that a prompt can be
+    measured in pieces (chunks, or a cached prefix and a computed suffix) and averaged once."""
+
+    attention: np.ndarray  # [num_layers], float64
+    mlp: np.ndarray  # [num_layers], float64
+    num_tokens: int = 0
+
+    @classmethod
+    def zeros(cls, num_layers: int) -> "SimilaritySums":
+        return cls(np.zeros(num_layers), np.zeros(num_layers), 0)
+
+    def add(self, attention_sum: Sequence[float], mlp_sum: Sequence[float], num_tokens: int):
+        self.attention += np.asarray(attention_sum, dtype=np.float64)
+        self.mlp += np.asarray(mlp_sum, dtype=np.float64)
+        self.num_tokens += num_tokens
+
+    def means(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.num_tokens == 0:
+            raise ValueError("no tokens measured")
+        return self.attention / self.num_tokens, self.mlp / self.num_tokens
+
+
+def threshold_rule(similarity: Sequence[float], threshold: float) -> list[bool]:
+    """The paper's rule: skip where the similarity is strictly above the threshold."""
+    return [float(s) > threshold for s in similarity]
+
+
+def fill_gaps_rule(skip: Sequence[bool], max_gap: int) -> list[bool]:
+    """Skip a kept sublayer that has a skipped one within `max_gap` layers on both sides."""
+    if max_gap <= 0:
+        return list(skip)
+    n = len(skip)
+    out = list(skip)
+    for i in range(n):
+        if skip[i]:
+            continue
+        before = any(skip[max(0, i - max_gap):i])
+        after = any(skip[i + 1:min(n, i + 1 + max_gap)])
+        out[i] = before and after
+    return out
+
+
+def keep_edge_layers_rule(skip: Sequence[bool], num_edge_layers: int) -> list[bool]:
+    """Never skip in the first and last `num_edge_layers` layers."""
+    out = list(skip)
+    n = len(out)
+    for i in list(range(min(num_edge_layers, n))) + list(range(max(0, n - num_edge_layers), n)):
+        out[i] = False
+    return out
+
+
+def select_sublayers(similarity: Sequence[float], threshold: float,
+                     options: SelfAdmgOptions) -> list[bool]:
+    """All rules for one kind of sublayer."""
+    skip = threshold_rule(similarity, threshold)
+    skip = fill_gaps_rule(skip, options.fill_gaps)
+    return keep_edge_layers_rule(skip, options.keep_edge_layers)
+
+
+def select_skip_mask(attention_similarity: Sequence[float], mlp_similarity: Sequence[float],
+                     options: SelfAdmgOptions) -> SkipMask:
+    """One sequence's draft: the sublayers its prompt's statistics say it can skip."""
+    if len(attention_similarity) != len(mlp_similarity):
+        raise ValueError("attention and MLP statistics must cover the same layers")
+    attention = select_sublayers(attention_similarity, options.attention_threshold, options)
+    if options.skips_mlp:
+        mlp = select_sublayers(mlp_similarity, options.mlp_threshold, options)
+    else:
+        mlp = [False] * len(mlp_similarity)
+    return SkipMask(tuple(attention), tuple(mlp))

@@ -1,0 +1,96 @@
+"""The target model seen as a residual stream: embed -> (attention, MLP) x L -> norm -> logits.
+
+One adapter serves every architecture in `SUPPORTED_ARCHITECTURES`: vLLM's Llama, Mistral,
+Qwen2 and Qwen3 decoder layers all have `input_layernorm`, `self_attn(positions,
+hidden_states)`, `post_attention_layernorm` and `mlp`. We call those submodules directly and keep
+the residual stream explicit (h + sublayer(norm(h))) instead of vLLM's fused add-and-norm,
+because a skipped sublayer is then simply an addition left out, per row. Calling submodules
+also bypasses the target's compiled graph, which must stay untouched for verification.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ResidualStream:
+    def __init__(self, causal_lm: nn.Module):
+        inner = causal_lm.model
+        self.causal_lm = causal_lm
+        self.inner = inner
+        start, end = getattr(inner, "start_layer", 0), getattr(inner, "end_layer", len(inner.layers))
+        if start != 0 or end != len(inner.layers):
+            raise NotImplementedError("self-admg needs all decoder layers on one rank (no pipeline parallelism)")
+        self.layers = list(inner.layers)
+        for layer in self.layers:
+            for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+                if not hasattr(layer, name):
+                    raise NotImplementedError(
+                        f"decoder layer {type(layer).__name__} has no {name!r}; self-admg supports "
+                        "Llama-style decoder layers only")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_input_ids(input_ids)
+
+    def attention(self, layer: int, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        block = self.layers[layer]
+        return block.self_attn(positions=positions, hidden_states=block.input_layernorm(h))
+
+    def mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        block = self.layers[layer]
+        return block.mlp(block.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.causal_lm.compute_logits(self.inner.norm(h))
+
+
+def cosine_rows(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Per-token cosine similarity of two residual streams, in float32."""
+    return torch.nn.functional.cosine_similarity(before.float(), after.float(), dim=-1)
+
+
+def similarity_sums(stream: ResidualStream, input_ids: torch.Tensor, positions: torch.Tensor,
+                    row_of_token: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the full model over tokens of `num_rows` sequences and return, per row and layer,
+    the sum over that row's tokens of cos(h, h + attention) and cos(h', h' + MLP):
+    two float64 tensors [num_rows, num_layers]. Attention reads the KV cache; the caller's
+    forward context decides whether anything is written (the probe writes nothing)."""
+    L = stream.num_layers
+    attn_sum = torch.zeros(num_rows, L, dtype=torch.float64, device=input_ids.device)
+    mlp_sum = torch.zeros_like(attn_sum)
+    h = stream.embed(input_ids)
+    for layer in range(L):
+        after = h + stream.attention(layer, positions, h)
+        attn_sum[:, layer].index_add_(0, row_of_token, cosine_rows(h, after).double())
+        h = after
+        after = h + stream.mlp(layer, h)
+        mlp_sum[:, layer].index_add_(0, row_of_token, cosine_rows(h, after).double())
+        h = after
+    return attn_sum, mlp_sum
+
+
+def draft_logits(stream: ResidualStream, input_ids: torch.Tensor, positions: torch.Tensor,
+                 skip_attention: torch.Tensor, skip_mlp: torch.Tensor) -> torch.Tensor:
+    """One draft step for a batch of rows, each with its own skip mask ([rows, layers] bool,
+    on the CPU). A sublayer that every row skips is not computed at all; one that some rows
+    skip is computed for all rows (attention) or only for the keeping rows (MLP), and its
+    output is left out of the skipping rows' streams."""
+    h = stream.embed(input_ids)
+    keep_attention, keep_mlp = ~skip_attention, ~skip_mlp
+    for layer in range(stream.num_layers):
+        keep = keep_attention[:, layer]
+        if keep.any():
+            out = stream.attention(layer, positions, h)
+            h = h + out if keep.all() else h + out * keep.to(h.device, h.dtype)[:, None]
+        keep = keep_mlp[:, layer]
+        if keep.all():
+            h = h + stream.mlp(layer, h)
+        elif keep.any():
+            rows = keep.nonzero().squeeze(1).to(h.device)
+            h = h.index_add(0, rows, stream.mlp(layer, h.index_select(0, rows)))
+    return stream.logits(h)

@@ -1,0 +1,220 @@
+"""SelfAdmgProposer: drafts with the target model's own layers under a per-sequence skip mask.
+
+vLLM builds it as a `custom_class` proposer in each worker (see `vllm_selfspec.patches`), hands
+it the target model through `load_model`, and calls `propose_for_runner` after every step
+through the runner hook. Per step:
+
+1. Forget requests that are gone; measure the prompt of each new request once (a probe pass
+   over its prompt that reads the cached KV and writes nothing: exact under chunked prefill and
+   prefix caching) and turn the similarities into its `SkipMask` (`vllm_selfspec.admg`).
+2. Draft up to K tokens for every row greedily, all rows in one batch, each under its own mask.
+   Draft step j of a row feeds its last token at position q+j (q = its first unverified
+   position) and writes KV for the computed layers into the target's own slots at q+j. The
+   scheduler reserves q..q+K-1 (the lookahead patch) and the next verification pass rewrites
+   exactly those slots, so draft KV never outlives its step and verified KV is never touched.
+3. Return ragged lists; vLLM's scorer and rejection sampler verify them. Greedy drafts are
+   point masses, so rejection sampling reproduces the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_selfspec.admg import SkipMask, select_skip_mask
+from vllm_selfspec.layers import ResidualStream, draft_logits, similarity_sums
+from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
+
+logger = logging.getLogger("vllm_selfspec")
+
+
+@dataclass
+class ProposerCounters:
+    """What the proposer did, for benchmarks and tests (read through collective_rpc)."""
+
+    prompts_measured: int = 0
+    prompt_tokens_measured: int = 0
+    probe_seconds: float = 0.0
+    draft_calls: int = 0
+    draft_steps: int = 0
+    draft_tokens: int = 0
+    draft_seconds: float = 0.0
+    skipped_sublayers: list[int] = field(default_factory=list)  # one entry per measured prompt
+
+
+class SelfAdmgProposer:
+    def __init__(self, vllm_config):
+        from vllm_selfspec.patches import runner_hook
+
+        runner_hook.install()
+        self.vllm_config = vllm_config
+        self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
+        self.options = make_options((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
+        self.masks: dict[str, SkipMask] = {}
+        self.counters = ProposerCounters()
+        self._stream: ResidualStream | None = None
+
+    # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
+    # kept under another name than `model`: the runner treats `drafter.model` as a separate draft
+    # network (graph wrappers, EPLB, get_draft_model).
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        self._stream = ResidualStream(target_model)
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError(
+            "SelfAdmgProposer is driven by vllm_selfspec's runner hook; it cannot run as a bare "
+            "custom_class proposer (is the vllm_selfspec plugin loaded in this process?)")
+
+    # ---- the step ------------------------------------------------------------------------
+    def propose_for_runner(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
+                           common_attn_metadata) -> list[list[int]]:
+        batch = runner.input_batch
+        self._forget(scheduler_output.finished_req_ids, runner.requests)
+        rows = [i for i, tokens in enumerate(sampled_token_ids) if tokens]
+        new_rows = [i for i in rows if batch.req_ids[i] not in self.masks]
+        if new_rows:
+            self._measure_prompts(runner, new_rows, common_attn_metadata)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        if rows:
+            self._draft(runner, rows, common_attn_metadata, drafts)
+        return drafts
+
+    def _forget(self, finished_req_ids, live_requests) -> None:
+        for req_id in finished_req_ids:
+            self.masks.pop(req_id, None)
+        if len(self.masks) > len(live_requests):  # aborted or dropped without a finish notice
+            for req_id in [r for r in self.masks if r not in live_requests]:
+                del self.masks[req_id]
+
+    # ---- statistics: one probe pass over each new prompt ----------------------------------
+    def _measure_prompts(self, runner, rows: list[int], cam) -> None:
+        start_time = time.perf_counter()
+        batch = runner.input_batch
+        prompt_lens = batch.num_prompt_tokens[rows].astype(np.int64)
+        window = self.options.stats_window
+        starts = np.maximum(prompt_lens - window, 0) if window else np.zeros_like(prompt_lens)
+        query_lens = prompt_lens - starts
+        ids = np.concatenate([batch.token_ids_cpu[r, s:p] for r, s, p in zip(rows, starts, prompt_lens)])
+        positions = np.concatenate([np.arange(s, p) for s, p in zip(starts, prompt_lens)])
+        row_of_token = np.repeat(np.arange(len(rows)), query_lens)
+        device = runner.device
+        # No slot mapping for any layer: the probe reads the prompt's cached KV, writes nothing.
+        attn_md = self._attention_metadata(runner, cam, rows, query_lens, prompt_lens,
+                                           slot_mapping=None, draft_index=0)
+        with self._forward_context(attn_md, len(ids), slot_mapping={}):
+            attn_sum, mlp_sum = similarity_sums(
+                self._stream, torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
+                torch.from_numpy(row_of_token).to(device), len(rows))
+        attn_mean = (attn_sum / torch.from_numpy(query_lens)[:, None].to(attn_sum)).cpu().numpy()
+        mlp_mean = (mlp_sum / torch.from_numpy(query_lens)[:, None].to(mlp_sum)).cpu().numpy()
+        for i, row in enumerate(rows):
+            mask = select_skip_mask(attn_mean[i], mlp_mean[i], self.options)
+            req_id = batch.req_ids[row]
+            self.masks[req_id] = mask
+            self.counters.skipped_sublayers.append(mask.num_skipped)
+            logger.debug("self-admg request %s skips %d attention and %d MLP sublayers of %d layers",
+                         req_id, sum(mask.attention), sum(mask.mlp), len(mask.attention))
+        self.counters.prompts_measured += len(rows)
+        self.counters.prompt_tokens_measured += int(query_lens.sum())
+        self.counters.probe_seconds += time.perf_counter() - start_time
+
+    # ---- drafting --------------------------------------------------------------------------
+    def _draft(self, runner, rows: list[int], cam, drafts: list[list[int]]) -> None:
+        start_time = time.perf_counter()
+        batch = runner.input_batch
+        device = runner.device
+        masks = [self.masks[batch.req_ids[r]] for r in rows]
+        skip_attention = torch.tensor([m.attention for m in masks], dtype=torch.bool)
+        skip_mlp = torch.tensor([m.mlp for m in masks], dtype=torch.bool)
+        # q: the position of each row's last sampled token, the first one without KV.
+        first_positions = batch.num_tokens_no_spec[rows].astype(np.int64) - 1
+        tokens = batch.token_ids_cpu[rows, first_positions]
+        active = np.arange(len(rows))  # indices into `rows` still drafting
+        exit_threshold = self.options.draft_exit_threshold
+        block_size = runner.input_batch.block_table[0].block_size
+        for step in range(self.num_speculative_tokens):
+            positions = first_positions[active] + step
+            active_rows = [rows[i] for i in active]
+            positions_t = torch.from_numpy(positions).to(device)
+            slots = self._slots(cam, active_rows, positions_t, block_size)
+            attn_md = self._attention_metadata(
+                runner, cam, active_rows, np.ones(len(active), np.int64), positions + 1,
+                slot_mapping=slots, draft_index=step)
+            with self._forward_context(attn_md, len(active), slot_mapping=self._slot_map(slots)):
+                logits = draft_logits(self._stream, torch.from_numpy(tokens[active]).to(device),
+                                      positions_t, skip_attention[active], skip_mlp[active])
+            if exit_threshold > 0:
+                top_prob, next_tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+                confident = (top_prob >= exit_threshold).cpu().numpy()
+            else:
+                next_tokens = logits.argmax(dim=-1)
+                confident = np.ones(len(active), dtype=bool)
+            next_tokens = next_tokens.cpu().numpy()
+            for i, token, keep in zip(active, next_tokens, confident):
+                if keep:
+                    drafts[rows[i]].append(int(token))
+            tokens[active] = next_tokens
+            active = active[confident]
+            self.counters.draft_steps += 1
+            if len(active) == 0:
+                break
+        self.counters.draft_calls += 1
+        self.counters.draft_tokens += sum(len(drafts[r]) for r in rows)
+        self.counters.draft_seconds += time.perf_counter() - start_time
+
+    # ---- vLLM plumbing -------------------------------------------------------------------
+    @staticmethod
+    def _slots(cam, rows: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """KV slots of `positions` through each row's block table (the same mapping vLLM uses)."""
+        table = cam.block_table_tensor[torch.tensor(rows, device=positions.device)]
+        blocks = table.gather(1, (positions // block_size).unsqueeze(1).to(table.device)).squeeze(1)
+        return blocks.to(torch.int64) * block_size + positions % block_size
+
+    def _slot_map(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: slots for name in self._layer_names}
+
+    def _attention_metadata(self, runner, cam, rows, query_lens, seq_lens, slot_mapping,
+                            draft_index: int) -> dict:
+        """Per-layer attention metadata for a sub-batch: `rows` of this step's batch, each with a
+        query of `query_lens` tokens ending at its position `seq_lens - 1`."""
+        device = cam.query_start_loc.device
+        query_start = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        query_start[1:] = torch.from_numpy(np.cumsum(query_lens)).to(torch.int32)
+        seq_lens_cpu = torch.from_numpy(np.asarray(seq_lens)).to(torch.int32)
+        num_tokens = int(query_start[-1])
+        if slot_mapping is None:
+            slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+        sub = dataclasses.replace(
+            cam,
+            query_start_loc=query_start.to(device), query_start_loc_cpu=query_start,
+            seq_lens=seq_lens_cpu.to(device), num_reqs=len(rows), num_actual_tokens=num_tokens,
+            max_query_len=int(np.max(query_lens)), max_seq_len=int(np.max(seq_lens)),
+            block_table_tensor=cam.block_table_tensor[torch.tensor(rows, device=device)],
+            slot_mapping=slot_mapping, positions=None, is_prefilling=None,
+            seq_lens_cpu_upper_bound=seq_lens_cpu, req_idx=None,
+            encoder_seq_lens=None, encoder_seq_lens_cpu=None,
+            dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None,
+            logits_indices_padded=None, num_logits_indices=None, max_logits_per_req=None,
+            _num_computed_tokens_cache=None, _token_to_req_indices_cache=None,
+        )
+        per_layer = {}
+        for group in runner.attn_groups[0]:
+            metadata = group.build_metadata_for_drafting(sub, draft_index)
+            for name in group.layer_names:
+                per_layer[name] = metadata
+        self._layer_names = list(per_layer)
+        return per_layer
+
+    def _forward_context(self, attn_metadata, num_tokens: int, slot_mapping):
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import set_forward_context
+
+        return set_forward_context(
+            attn_metadata, self.vllm_config, num_tokens=num_tokens,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping=slot_mapping,
+            skip_compiled=True)
