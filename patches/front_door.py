@@ -15,8 +15,10 @@ added back as aliases of --spec-model/--spec-tokens.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import Literal, get_args
+import types
+from typing import Literal, Union, get_args, get_origin
 
 from vllm_selfspec.options import (
     ADDITIONAL_CONFIG_KEY,
@@ -90,20 +92,33 @@ def _widen_method_choices() -> None:
     from vllm.engine import arg_utils
 
     field = SpeculativeConfig.__dataclass_fields__["method"]
-    choices = get_args(field.type)
-    if METHOD_NAME not in choices:
-        field.type = Literal[(*choices, METHOD_NAME)]
+    widened = _with_choice(field.type, METHOD_NAME)
+    if widened != field.type:
+        field.type = widened
         arg_utils._compute_kwargs.cache_clear()
 
 
-def _add_legacy_flags(engine_args_cls) -> None:
+def _with_choice(type_hint, value):
+    """`type_hint` (a Literal, possibly inside Optional/Union) with `value` added to the Literal."""
+    origin = get_origin(type_hint)
+    if origin is Literal:
+        choices = get_args(type_hint)
+        return type_hint if value in choices else Literal[(*choices, value)]
+    if origin in (Union, types.UnionType):
+        return Union[tuple(_with_choice(arg, value) for arg in get_args(type_hint))]
+    return type_hint
+
+
+def _extend_cli(engine_args_cls) -> None:
+    """Add the legacy flags, and check self-admg options while the command line is parsed, so
+    that `vllm serve` stops with a one-line argparse error instead of a traceback."""
     original = engine_args_cls.add_cli_args
     if getattr(original, "_self_admg", False):
         return
 
     def add_cli_args(parser, *args, **kwargs):
         parser = original(parser, *args, **kwargs)
-        known = {s for action in parser._actions for s in action.option_strings}
+        known = {s: action for action in parser._actions for s in action.option_strings}
         if "--speculative-model" not in known:
             parser.add_argument(
                 "--speculative-model", dest="spec_model", default=None,
@@ -113,10 +128,28 @@ def _add_legacy_flags(engine_args_cls) -> None:
             parser.add_argument(
                 "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
                 help="legacy spelling of --spec-tokens (maximum draft length)")
+        if "--speculative-config" in known:
+            action = known["--speculative-config"]
+            action.type = _checked_speculative_config(action.type)
         return parser
 
     add_cli_args._self_admg = True
     engine_args_cls.add_cli_args = staticmethod(add_cli_args)
+
+
+def _checked_speculative_config(parse_json):
+    def parse(text):
+        spec = parse_json(text)
+        if is_self_admg(spec):
+            from vllm.config import SpeculativeConfig
+
+            try:
+                parse_speculative_config(spec, {f.name for f in dataclasses.fields(SpeculativeConfig)})
+            except SelfAdmgConfigError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+        return spec
+
+    return parse
 
 
 def apply() -> None:
@@ -124,5 +157,5 @@ def apply() -> None:
 
     _wrap_create_speculative_config(EngineArgs)
     _widen_method_choices()
-    _add_legacy_flags(EngineArgs)
+    _extend_cli(EngineArgs)
 

@@ -87,10 +87,11 @@ OPTION_NAMES = tuple(f.name for f in dataclasses.fields(SelfAdmgOptions))
 
 def describe_options() -> str:
     """One line per option with its default, for error messages and --help text."""
-    return "\n".join(
-        f"  {f.name} (default {f.default!r}): {f.metadata['help']}"
-        for f in dataclasses.fields(SelfAdmgOptions)
-    )
+    lines = [f"  {f.name} (default {f.default!r}): {f.metadata['help']}"
+             for f in dataclasses.fields(SelfAdmgOptions)]
+    lines.append(f"  num_speculative_tokens (default {DEFAULT_NUM_SPECULATIVE_TOKENS}): maximum "
+                 "draft length, 1..32")
+    return "\n".join(lines)
 
 
 def _number(name: str, value: Any, kind: type, low: float, high: float) -> Any:
@@ -98,7 +99,8 @@ def _number(name: str, value: Any, kind: type, low: float, high: float) -> Any:
     ok_types = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types):
         raise SelfAdmgConfigError(
-            f"self-admg option {name!r} must be a {kind.__name__} in [{low}, {high}], "
+            f"self-admg option {name!r} must be {'an integer' if kind is int else 'a number'} "
+            f"in [{low}, {high}], "
             f"got {value!r}"
         )
     if not (low <= value <= high) or (isinstance(value, float) and math.isnan(value)):
@@ -156,14 +158,12 @@ def parse_speculative_config(
             f"self-admg drafts with the target model itself, so give either "
             f"method='{METHOD_NAME}' or model='{METHOD_NAME}' and no other draft model"
         )
-    ours = {k: spec.pop(k) for k in list(spec) if k in OPTION_NAMES}
-    foreign = sorted(k for k in spec if k in FOREIGN_VLLM_KEYS or k not in vllm_field_names)
+    ours = {k: spec.pop(k) for k in list(spec) if k in OPTION_NAMES or k not in vllm_field_names}
+    foreign = sorted(k for k in spec if k in FOREIGN_VLLM_KEYS)
     if foreign:
         raise SelfAdmgConfigError(
-            f"speculative config key(s) {foreign} are not used by self-admg; its options are:\n"
-            f"{describe_options()}\n  num_speculative_tokens (default "
-            f"{DEFAULT_NUM_SPECULATIVE_TOKENS}): maximum draft length"
-        )
+            f"speculative config key(s) {foreign} are not used by self-admg, which drafts with "
+            f"the target model itself; its options are:\n{describe_options()}")
     options = make_options(ours)
     k = spec.get("num_speculative_tokens")
     if k is None:

@@ -19,8 +19,10 @@ through the runner hook. Per step:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +46,15 @@ class ProposerCounters:
     draft_steps: int = 0
     draft_tokens: int = 0
     draft_seconds: float = 0.0
-    skipped_sublayers: list[int] = field(default_factory=list)  # one entry per measured prompt
+    # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
+    # MLP similarity, mask). Bounded, so a long-running server does not grow it.
+    measurements: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+def prompt_key(prompt_token_ids) -> str:
+    """A short, stable name for a prompt's token ids (to match measurements to prompts)."""
+    return hashlib.blake2b(np.asarray(prompt_token_ids, dtype=np.int64).tobytes(),
+                           digest_size=8).hexdigest()
 
 
 class SelfAdmgProposer:
@@ -116,7 +126,8 @@ class SelfAdmgProposer:
             mask = select_skip_mask(attn_mean[i], mlp_mean[i], self.options)
             req_id = batch.req_ids[row]
             self.masks[req_id] = mask
-            self.counters.skipped_sublayers.append(mask.num_skipped)
+            key = prompt_key(batch.token_ids_cpu[row, :prompt_lens[i]])
+            self.counters.measurements.append((key, attn_mean[i], mlp_mean[i], mask))
             logger.debug("self-admg request %s skips %d attention and %d MLP sublayers of %d layers",
                          req_id, sum(mask.attention), sum(mask.mlp), len(mask.attention))
         self.counters.prompts_measured += len(rows)
@@ -218,3 +229,22 @@ class SelfAdmgProposer:
             attn_metadata, self.vllm_config, num_tokens=num_tokens,
             cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping=slot_mapping,
             skip_compiled=True)
+
+
+def proposer_report(worker) -> dict:
+    """What a worker's self-admg proposer did, as plain data. Runs in the worker:
+    `llm.collective_rpc(proposer_report)` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1, since
+    vLLM pickles callables only when allowed)."""
+    drafter = worker.model_runner.drafter
+    if not isinstance(drafter, SelfAdmgProposer):
+        return {}
+    counters = drafter.counters
+    report = {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)
+              if f.name != "measurements"}
+    report["live_requests"] = sorted(drafter.masks)
+    report["measurements"] = [
+        {"prompt_key": key, "attention_similarity": attn.tolist(), "mlp_similarity": mlp.tolist(),
+         "skip_attention": list(mask.attention), "skip_mlp": list(mask.mlp)}
+        for key, attn, mlp, mask in counters.measurements
+    ]
+    return report

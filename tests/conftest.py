@@ -1,0 +1,131 @@
+"""Shared fixtures. Each vLLM engine costs ~20-30 s to start, so engines are built once per
+session (or module) and shut down when their last user is done."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Tests read the proposer's counters from the worker through collective_rpc with a function.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_model import build_tiny_llama  # noqa: E402
+
+ENGINE_DEFAULTS = dict(
+    dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512,
+    disable_log_stats=False, seed=0,
+)
+
+
+def make_llm(model, **overrides):
+    from vllm import LLM
+
+    return LLM(model=str(model), **{**ENGINE_DEFAULTS, **overrides})
+
+
+def close_llm(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def proposer_report(llm) -> dict:
+    from vllm_selfspec.proposer import proposer_report as report
+
+    return llm.collective_rpc(report)[0]
+
+
+def spec_counters(llm) -> dict[str, float]:
+    """vLLM's own spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens)."""
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_") and hasattr(metric, "value"):
+            out[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
+    return out
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts(tiny_model_path) -> list[str]:
+    """Prompts of different lengths; several are longer than the chunked-prefill budget used
+    by the mixed engine, so their prefill (and statistics) come in chunks."""
+    base = [
+        "def add(a, b):\n    return a + b\n" * 3,
+        "The quick brown fox jumps over the lazy dog. " * 6,
+        "for i in range(10):",
+        "Summarize the following article in one sentence. Speculative decoding drafts a few "
+        "tokens cheaply and lets the full model verify them in one pass." * 2,
+        "import numpy as np\nx = np.arange(12).reshape(3, 4)\n",
+        "The quick brown",
+    ]
+    return base
+
+
+@pytest.fixture(scope="session")
+def plain_tiny(tiny_model_path):
+    llm = make_llm(tiny_model_path)
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def tiny_prompt_ids(tiny_model_path, tiny_prompts) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    return [tokenizer(p).input_ids for p in tiny_prompts]
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_path, tiny_prompt_ids):
+    from reference import hf_similarities
+
+    return hf_similarities(tiny_model_path, tiny_prompt_ids)
+
+
+def splitting_threshold(similarities) -> tuple[int, float]:
+    """The layer whose similarity varies most across prompts, and a threshold in the middle of
+    that spread: some prompts skip the sublayer there and others keep it."""
+    values = np.stack(similarities)  # [prompts, layers]
+    layer = int(np.argmax(values.max(0) - values.min(0)))
+    return layer, float((values[:, layer].max() + values[:, layer].min()) / 2)
+
+
+@pytest.fixture(scope="session")
+def mixed_options(tiny_reference) -> dict:
+    """Thresholds that give different prompts different masks; both structural rules off so the
+    thresholds alone decide."""
+    _, attention_threshold = splitting_threshold([a for a, _ in tiny_reference])
+    _, mlp_threshold = splitting_threshold([m for _, m in tiny_reference])
+    return {"method": "self-admg", "num_speculative_tokens": 3, "keep_edge_layers": 0,
+            "fill_gaps": 0, "attention_threshold": attention_threshold,
+            "mlp_threshold": mlp_threshold, "draft_exit_threshold": 0.3}
+
+
+# Tiny-model KV cache of ~600 tokens (2 KiB per token): more than max_model_len, less than the
+# test batch needs at once, so the scheduler preempts and recomputes requests.
+SMALL_KV_BYTES = 2048 * 640
+
+
+@pytest.fixture(scope="session")
+def admg_mixed(tiny_model_path, mixed_options):
+    """Per-sequence masks, draft exit, chunked prefill (64-token budget) and a KV cache small
+    enough to force preemption: the hard case, all in one engine."""
+    llm = make_llm(tiny_model_path, speculative_config=mixed_options,
+                   max_num_batched_tokens=64, kv_cache_memory_bytes=SMALL_KV_BYTES)
+    yield llm
+    close_llm(llm)
