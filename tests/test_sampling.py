@@ -1,0 +1,81 @@
+"""At temperature 1 the output distribution with self-admg equals plain decoding's, and the
+same test catches vLLM 0.32's CPU rejection-sampler bug when our patch is left out."""
+
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import close_llm, make_llm, spec_counters
+from scipy.stats import chi2_contingency
+from vllm import SamplingParams
+
+from vllm_selfspec.plugin import UNPATCHED_SAMPLER_ENV
+
+NUM_SAMPLES = 3000
+NUM_TOKENS = 4  # token 0 comes from the prefill; tokens 1-3 go through the rejection sampler
+
+
+def sample_tokens(llm, prompt_ids) -> np.ndarray:
+    params = SamplingParams(temperature=1.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt_ids}] * NUM_SAMPLES, params, use_tqdm=False)
+    return np.array([o.outputs[0].token_ids for o in outputs])
+
+
+def same_distribution_p_value(a: np.ndarray, b: np.ndarray) -> float:
+    """Chi-square test of homogeneity of two samples of token ids; tokens seen fewer than 10
+    times in both samples together are pooled into one category."""
+    ca, cb = Counter(a.tolist()), Counter(b.tolist())
+    common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= 10]
+    rest_a = len(a) - sum(ca[t] for t in common)
+    rest_b = len(b) - sum(cb[t] for t in common)
+    table = [[ca[t] for t in common] + [rest_a], [cb[t] for t in common] + [rest_b]]
+    table = [row for row in np.array(table).T.tolist() if sum(row) > 0]
+    return chi2_contingency(np.array(table).T)[1]
+
+
+def make_admg(model, options, unpatched: bool):
+    if unpatched:
+        os.environ[UNPATCHED_SAMPLER_ENV] = "1"  # read by the plugin in the engine's processes
+    try:
+        return make_llm(model, speculative_config=options)
+    finally:
+        os.environ.pop(UNPATCHED_SAMPLER_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def samples(plain_tiny, tiny_model_path, tiny_prompt_ids, mixed_options):
+    prompt = tiny_prompt_ids[2]
+    # No draft exit: the random tiny model is unsure of everything, and every draft token must
+    # go through the rejection sampler for this test to mean anything.
+    options = {**mixed_options, "draft_exit_threshold": 0.0}
+    result = {"plain": sample_tokens(plain_tiny, prompt)}
+    for name, unpatched in (("self-admg", False), ("self-admg, unpatched CPU sampler", True)):
+        llm = make_admg(tiny_model_path, options, unpatched)
+        try:
+            result[name] = sample_tokens(llm, prompt)
+            result[name + " counters"] = spec_counters(llm)
+        finally:
+            close_llm(llm)
+    return result
+
+
+def test_temperature_one_matches_plain_decoding(samples):
+    counters = samples["self-admg counters"]
+    # Drafts were made for nearly every step and the sampler both accepted and rejected some.
+    assert counters["num_draft_tokens"] >= NUM_SAMPLES * 2
+    assert 0 < counters["num_accepted_tokens"] < counters["num_draft_tokens"]
+    for position in range(NUM_TOKENS):
+        p = same_distribution_p_value(samples["plain"][:, position], samples["self-admg"][:, position])
+        print(f"position {position}: p = {p:.3g}")
+        assert p > 1e-3, f"token distribution differs from plain decoding at position {position}"
+    # Whole continuations too (pairs of tokens 1 and 2), not just marginals.
+    pairs = lambda s: s[:, 1] * 100_000 + s[:, 2]  # noqa: E731
+    assert same_distribution_p_value(pairs(samples["plain"]), pairs(samples["self-admg"])) > 1e-3
+
+
+def test_the_same_test_fails_without_the_cpu_sampler_patch(samples):
+    broken = samples["self-admg, unpatched CPU sampler"]
+    p_values = [same_distribution_p_value(samples["plain"][:, i], broken[:, i]) for i in (1, 2, 3)]
+    print("unpatched p-values:", p_values)
+    assert min(p_values) < 1e-6
