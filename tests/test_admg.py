@@ -22,7 +22,8 @@ from vllm_selfspec.options import (
     parse_speculative_config,
 )
 
-NO_RULES = SelfAdmgOptions(keep_edge_layers=0, fill_gaps=0)
+NO_RULES = SelfAdmgOptions(keep_edge_layers=0, fill_gaps=0, attention_threshold=0.98,
+                           mlp_threshold=0.98)
 
 
 def test_threshold_rule_skips_strictly_above():
@@ -66,7 +67,8 @@ def test_edge_rule_wins_over_gap_filling():
 
 def test_attention_only_never_skips_mlp():
     mask = select_skip_mask([0.99] * 4, [0.999] * 4,
-                            SelfAdmgOptions(skip="attention", keep_edge_layers=0, fill_gaps=0))
+                            SelfAdmgOptions(skip="attention", keep_edge_layers=0, fill_gaps=0,
+                                            attention_threshold=0.98, mlp_threshold=0.98))
     assert mask.attention == (True,) * 4
     assert mask.mlp == (False,) * 4
     mask = select_skip_mask([0.99] * 4, [0.999] * 4, NO_RULES)

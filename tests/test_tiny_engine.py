@@ -31,7 +31,7 @@ def plain_ids(plain_tiny, tiny_prompt_ids):
 def admg_none(tiny_model_path):
     llm = make_llm(tiny_model_path, speculative_config={
         "method": "self-admg", "num_speculative_tokens": 3,
-        "attention_threshold": 1.0, "mlp_threshold": 1.0})
+        "attention_threshold": 1.0, "mlp_threshold": 1.0, "draft_exit_threshold": 0.0})
     yield llm
     close_llm(llm)
 
@@ -40,7 +40,7 @@ def admg_none(tiny_model_path):
 def admg_all(tiny_model_path):
     llm = make_llm(tiny_model_path, speculative_config={
         "method": "self-admg", "num_speculative_tokens": 2, "attention_threshold": -1.0,
-        "mlp_threshold": -1.0, "keep_edge_layers": 0, "fill_gaps": 0})
+        "mlp_threshold": -1.0, "keep_edge_layers": 0, "fill_gaps": 0, "draft_exit_threshold": 0.0})
     yield llm
     close_llm(llm)
 
@@ -159,3 +159,21 @@ def test_aborted_and_finished_requests_leave_no_state(admg_mixed, tiny_prompt_id
     engine.abort_request([f"abort-me-{i}" for i in range(3)])
     generate(admg_mixed, tiny_prompt_ids[:1], SamplingParams(max_tokens=4, temperature=0))
     assert not any("abort-me" in r for r in proposer_report(admg_mixed)["live_requests"])
+
+
+def test_compiled_target_engine(tiny_model_path, tiny_prompt_ids, plain_ids):
+    """vLLM's default (compiled) engine: the target runs its compiled graph, the draft runs the
+    same modules eagerly beside it. Skipping nothing, every draft must be accepted."""
+    llm = make_llm(tiny_model_path, enforce_eager=False, speculative_config={
+        "method": "self-admg", "num_speculative_tokens": 3, "attention_threshold": 1.0,
+        "mlp_threshold": 1.0, "draft_exit_threshold": 0.0})
+    try:
+        from vllm.config import CompilationMode
+
+        assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
+        assert token_ids(generate(llm, tiny_prompt_ids)) == plain_ids
+        counters = spec_counters(llm)
+        assert counters["num_draft_tokens"] > 0
+        assert counters["num_accepted_tokens"] == counters["num_draft_tokens"]
+    finally:
+        close_llm(llm)

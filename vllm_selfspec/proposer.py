@@ -32,7 +32,8 @@ from vllm_selfspec.admg import SkipMask, select_skip_mask
 from vllm_selfspec.layers import ResidualStream, draft_logits, similarity_sums
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 
-logger = logging.getLogger("vllm_selfspec")
+# A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
+logger = logging.getLogger("vllm.selfspec")
 
 
 @dataclass
