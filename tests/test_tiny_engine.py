@@ -95,7 +95,7 @@ def test_similarities_match_transformers(admg_mixed, tiny_prompt_ids, tiny_refer
     """The probe's statistic equals the same cosine similarities computed with plain
     transformers hooks, within 1e-4 (float32, different kernels); prompts were prefilled in
     chunks of at most 64 tokens."""
-    generate(admg_mixed, tiny_prompt_ids, SamplingParams(max_tokens=2, temperature=0))
+    generate(admg_mixed, tiny_prompt_ids, SamplingParams(max_tokens=4, temperature=0))
     measured = {m["prompt_key"]: m for m in proposer_report(admg_mixed)["measurements"]}
     for ids, (attn, mlp) in zip(tiny_prompt_ids, tiny_reference):
         m = measured[prompt_key(ids)]
@@ -109,7 +109,7 @@ def test_prefix_cache_hit_is_measured_over_the_whole_prompt(admg_mixed, tiny_pro
     ids = (tiny_prompt_ids[1] * 6)[:300]  # longer than a KV block: only full blocks are cached
     hits_before = _prefix_cache_hits(admg_mixed)
     for _ in range(2):
-        generate(admg_mixed, [ids], SamplingParams(max_tokens=2, temperature=0))
+        generate(admg_mixed, [ids], SamplingParams(max_tokens=4, temperature=0))
     assert _prefix_cache_hits(admg_mixed) > hits_before
     runs = [m for m in proposer_report(admg_mixed)["measurements"] if m["prompt_key"] == prompt_key(ids)]
     assert len(runs) >= 2

@@ -86,14 +86,28 @@ class SelfAdmgProposer:
                            common_attn_metadata) -> list[list[int]]:
         batch = runner.input_batch
         self._forget(scheduler_output.finished_req_ids, runner.requests)
-        rows = [i for i, tokens in enumerate(sampled_token_ids) if tokens]
+        # Rows that sampled a token this step and still have tokens to generate after the next
+        # one (a draft for a request that is about to hit max_tokens would be thrown away).
+        budgets = {i: self._draft_budget(runner.requests[batch.req_ids[i]])
+                   for i, tokens in enumerate(sampled_token_ids) if tokens}
+        rows = [i for i, budget in budgets.items() if budget > 0]
         new_rows = [i for i in rows if batch.req_ids[i] not in self.masks]
         if new_rows:
             self._measure_prompts(runner, new_rows, common_attn_metadata)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         if rows:
-            self._draft(runner, rows, common_attn_metadata, drafts)
+            self._draft(runner, rows, np.array([budgets[i] for i in rows]), common_attn_metadata,
+                        drafts)
         return drafts
+
+    def _draft_budget(self, request) -> int:
+        """How many draft tokens can still be used: verification emits accepted drafts plus one
+        token, so a request with r tokens left can use at most r - 1."""
+        params = request.sampling_params
+        if params is None or params.max_tokens is None:
+            return self.num_speculative_tokens
+        remaining = params.max_tokens - len(request.output_token_ids)
+        return max(0, min(self.num_speculative_tokens, remaining - 1))
 
     def _forget(self, finished_req_ids, live_requests) -> None:
         for req_id in finished_req_ids:
@@ -136,7 +150,8 @@ class SelfAdmgProposer:
         self.counters.probe_seconds += time.perf_counter() - start_time
 
     # ---- drafting --------------------------------------------------------------------------
-    def _draft(self, runner, rows: list[int], cam, drafts: list[list[int]]) -> None:
+    def _draft(self, runner, rows: list[int], budgets: np.ndarray, cam,
+               drafts: list[list[int]]) -> None:
         start_time = time.perf_counter()
         batch = runner.input_batch
         device = runner.device
@@ -149,7 +164,7 @@ class SelfAdmgProposer:
         active = np.arange(len(rows))  # indices into `rows` still drafting
         exit_threshold = self.options.draft_exit_threshold
         block_size = runner.input_batch.block_table[0].block_size
-        for step in range(self.num_speculative_tokens):
+        for step in range(int(budgets.max())):
             positions = first_positions[active] + step
             active_rows = [rows[i] for i in active]
             positions_t = torch.from_numpy(positions).to(device)
@@ -171,7 +186,7 @@ class SelfAdmgProposer:
                 if keep:
                     drafts[rows[i]].append(int(token))
             tokens[active] = next_tokens
-            active = active[confident]
+            active = active[confident & (budgets[active] > step + 1)]
             self.counters.draft_steps += 1
             if len(active) == 0:
                 break
