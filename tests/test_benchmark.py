@@ -1,0 +1,54 @@
+"""The benchmark harness: its quick path on the tiny model writes the table with every column,
+and its lossless check passes for exact methods and flags a mismatch loudly."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SPEC = importlib.util.spec_from_file_location(
+    "bench_run", Path(__file__).parents[1] / "benchmarks" / "run.py")
+bench = importlib.util.module_from_spec(SPEC)
+sys.modules["bench_run"] = bench  # dataclasses look their module up there
+SPEC.loader.exec_module(bench)
+
+
+def test_lossless_check_flags_mismatches():
+    plain = bench.Cell("plain", "w", 1, 0.0, 6, 1.0, 3, {}, [], token_ids=[[1, 2, 3], [4, 5, 6]])
+    same = bench.Cell("m", "w", 1, 0.0, 6, 1.0, 3, {}, [], token_ids=[[1, 2, 3], [4, 5, 6]])
+    other = bench.Cell("m", "w", 1, 0.0, 6, 1.0, 3, {}, [], token_ids=[[1, 2, 3], [4, 9, 6]])
+    sampled = bench.Cell("m", "w", 1, 1.0, 6, 1.0, 3, {}, [], token_ids=[[7, 7, 7], [7, 7, 7]])
+    assert bench.lossless_check(same, plain) == "ok"
+    assert bench.lossless_check(other, plain) == "**MISMATCH 1/2** (prompt@token: #1@1)"
+    assert bench.lossless_check(sampled, plain) == "n/a"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny_model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    bench.main(["--model", str(tiny_model_path), "--dtype", "float32", "--methods", "ngram",
+                "self-admg", "--workloads", "humaneval", "--batch-sizes", "1", "2",
+                "--temperatures", "0", "1", "--prompts", "2", "--max-tokens", "8",
+                "--enforce-eager", "--kv-cache-gb", "1", "--max-model-len", "1024",
+                "--no-ablations", "--out", str(out)])
+    return out
+
+
+def test_quick_run_writes_every_column_and_checks_losslessness(quick_run):
+    for name in ("environment.json", "results.json", "results.csv", "table.md", "speedup.png"):
+        assert (quick_run / name).exists(), name
+    table = (quick_run / "table.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| method"))
+    assert [c.strip() for c in header.strip("|").split("|")] == bench.COLUMNS
+    rows = json.loads((quick_run / "results.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"plain", "ngram", "self-admg"}
+    assert len(rows) == 3 * 2 * 2
+    for r in rows:
+        assert r["lossless"] == ("ok" if r["temperature"] == 0 else "n/a"), r
+        assert r["tokens_per_s"] > 0 and r["speedup"] is not None
+    admg = [r for r in rows if r["method"] == "self-admg"]
+    assert all(r["skipped_mean"] is not None and r["draft_cost_ratio"] for r in admg)
+    env = json.loads((quick_run / "environment.json").read_text())
+    assert env["vllm"].startswith("0.32.0") and env["cpus"]
