@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from vllm_selfspec.admg import (
-    SimilaritySums,
     SkipMask,
     fill_gaps_rule,
     keep_edge_layers_rule,
@@ -80,20 +79,6 @@ def test_mlp_threshold_is_separate():
                            fill_gaps=0)
     mask = select_skip_mask([0.9, 0.96], [0.4, 0.6], opts)
     assert mask == SkipMask((False, True), (False, True))
-
-
-def test_similarity_sums_in_chunks_equal_the_whole():
-    rng = np.random.default_rng(1)
-    per_token_attn, per_token_mlp = rng.random((40, 6)), rng.random((40, 6))
-    whole = SimilaritySums.zeros(6)
-    whole.add(per_token_attn.sum(0), per_token_mlp.sum(0), 40)
-    pieces = SimilaritySums.zeros(6)
-    for lo, hi in [(0, 7), (7, 31), (31, 40)]:
-        pieces.add(per_token_attn[lo:hi].sum(0), per_token_mlp[lo:hi].sum(0), hi - lo)
-    np.testing.assert_allclose(pieces.means()[0], per_token_attn.mean(0))
-    np.testing.assert_allclose(pieces.means()[1], whole.means()[1])
-    with pytest.raises(ValueError):
-        SimilaritySums.zeros(3).means()
 
 
 # ---- options -----------------------------------------------------------------------------

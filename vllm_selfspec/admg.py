@@ -27,8 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
 from vllm_selfspec.options import SelfAdmgOptions
 
 
@@ -46,30 +44,6 @@ class SkipMask:
     @classmethod
     def keep_all(cls, num_layers: int) -> "SkipMask":
         return cls((False,) * num_layers, (False,) * num_layers)
-
-
-@dataclass
-class SimilaritySums:
-    """Running sums of per-token cosine similarities of one sequence, so that a prompt can be
-    measured in pieces (chunks, or a cached prefix and a computed suffix) and averaged once."""
-
-    attention: np.ndarray  # [num_layers], float64
-    mlp: np.ndarray  # [num_layers], float64
-    num_tokens: int = 0
-
-    @classmethod
-    def zeros(cls, num_layers: int) -> "SimilaritySums":
-        return cls(np.zeros(num_layers), np.zeros(num_layers), 0)
-
-    def add(self, attention_sum: Sequence[float], mlp_sum: Sequence[float], num_tokens: int):
-        self.attention += np.asarray(attention_sum, dtype=np.float64)
-        self.mlp += np.asarray(mlp_sum, dtype=np.float64)
-        self.num_tokens += num_tokens
-
-    def means(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.num_tokens == 0:
-            raise ValueError("no tokens measured")
-        return self.attention / self.num_tokens, self.mlp / self.num_tokens
 
 
 def threshold_rule(similarity: Sequence[float], threshold: float) -> list[bool]:
