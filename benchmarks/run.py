@@ -135,8 +135,9 @@ class Cell:
 
 
 def spec_counters(llm) -> dict[str, float]:
-    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
+    from vllm_selfspec.proposer import spec_decode_counters
+
+    return spec_decode_counters(llm)
 
 
 def proposer_counters(llm) -> dict:

@@ -42,12 +42,9 @@ def proposer_report(llm) -> dict:
 
 
 def spec_counters(llm) -> dict[str, float]:
-    """vLLM's own spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens)."""
-    out = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode_") and hasattr(metric, "value"):
-            out[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
-    return out
+    from vllm_selfspec.proposer import spec_decode_counters
+
+    return spec_decode_counters(llm)
 
 
 def token_ids(outputs) -> list[list[int]]:

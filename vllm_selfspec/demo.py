@@ -15,6 +15,8 @@ import time
 def run(model: str, prompts: list[str], args, speculative_config=None) -> dict:
     from vllm import LLM, SamplingParams
 
+    from vllm_selfspec.proposer import spec_decode_counters
+
     llm = LLM(model=model, dtype=args.dtype, max_model_len=2048, max_num_seqs=1,
               kv_cache_memory_bytes=512 << 20, disable_log_stats=False,
               speculative_config=speculative_config)
@@ -23,8 +25,7 @@ def run(model: str, prompts: list[str], args, speculative_config=None) -> dict:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    counters = {m.name: m.value for m in llm.get_metrics()
-                if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
+    counters = spec_decode_counters(llm)
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -57,7 +58,7 @@ def main(argv=None) -> None:
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
                for a, b in zip(plain["outputs"], ours["outputs"]))
     c = ours["counters"]
-    drafted, accepted, drafts = (c.get(f"vllm:spec_decode_{k}", 0)
+    drafted, accepted, drafts = (c.get(k, 0)
                                  for k in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
     print(f"=== {args.model}, {args.dtype}, batch 1, {len(prompts)} prompts x up to "
           f"{args.max_tokens} tokens ===")

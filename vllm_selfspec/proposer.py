@@ -264,3 +264,10 @@ def proposer_report(worker) -> dict:
         for key, attn, mlp, mask in counters.measurements
     ]
     return report
+
+
+def spec_decode_counters(llm) -> dict[str, float]:
+    """vLLM's own spec-decode counters of an `LLM` built with disable_log_stats=False:
+    num_drafts, num_draft_tokens, num_accepted_tokens (names without the vllm: prefix)."""
+    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
