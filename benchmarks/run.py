@@ -134,12 +134,6 @@ class Cell:
     peak_rss: int = 0
 
 
-def spec_counters(llm) -> dict[str, float]:
-    from vllm_selfspec.proposer import spec_decode_counters
-
-    return spec_decode_counters(llm)
-
-
 def proposer_counters(llm) -> dict:
     from vllm_selfspec.proposer import proposer_report
 
@@ -148,6 +142,8 @@ def proposer_counters(llm) -> dict:
 
 def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_admg) -> Cell:
     from vllm import SamplingParams
+
+    from vllm_selfspec.proposer import spec_decode_counters as spec_counters
 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     before, report_before = spec_counters(llm), proposer_counters(llm) if is_admg else {}
@@ -170,7 +166,9 @@ def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_
         cell.probe_seconds = report["probe_seconds"] - report_before["probe_seconds"]
         cell.draft_seconds = report["draft_seconds"] - report_before["draft_seconds"]
         cell.draft_steps = report["draft_steps"] - report_before["draft_steps"]
-        new = report["measurements"][len(report_before["measurements"]):]
+        # The measurement log is bounded, so count new entries, not the log's growth.
+        num_new = report["prompts_measured"] - report_before["prompts_measured"]
+        new = report["measurements"][-num_new:] if num_new else []
         cell.skipped = [sum(m["skip_attention"]) + sum(m["skip_mlp"]) for m in new]
     return cell
 

@@ -62,6 +62,13 @@ def check_supported(engine_args, model_config, parallel_config) -> None:
         raise SelfAdmgConfigError("self-admg does not support LoRA (enable_lora must be False)")
 
 
+def _vllm_speculative_keys() -> set[str]:
+    """The keys vLLM's own SpeculativeConfig accepts."""
+    from vllm.config import SpeculativeConfig
+
+    return {f.name for f in dataclasses.fields(SpeculativeConfig)}
+
+
 def _wrap_create_speculative_config(engine_args_cls) -> None:
     original = engine_args_cls.create_speculative_config
     if getattr(original, "_self_admg", False):
@@ -71,10 +78,7 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
         spec = merge_spec_flags(self)
         if not is_self_admg(spec):
             return original(self, target_model_config, target_parallel_config)
-        from vllm.config import SpeculativeConfig
-
-        vllm_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-        vllm_spec, options = parse_speculative_config(spec, vllm_keys)
+        vllm_spec, options = parse_speculative_config(spec, _vllm_speculative_keys())
         check_supported(self, target_model_config, target_parallel_config)
         self.speculative_config = vllm_spec
         self.spec_method = self.spec_model = self.spec_tokens = None
@@ -141,10 +145,8 @@ def _checked_speculative_config(parse_json):
     def parse(text):
         spec = parse_json(text)
         if is_self_admg(spec):
-            from vllm.config import SpeculativeConfig
-
             try:
-                parse_speculative_config(spec, {f.name for f in dataclasses.fields(SpeculativeConfig)})
+                parse_speculative_config(spec, _vllm_speculative_keys())
             except SelfAdmgConfigError as err:
                 raise argparse.ArgumentTypeError(str(err)) from None
         return spec

@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_model import build_tiny_llama  # noqa: E402
 
+from vllm_selfspec.proposer import spec_decode_counters as spec_counters  # noqa: E402,F401
+
 ENGINE_DEFAULTS = dict(
     dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512,
     disable_log_stats=False, seed=0,
@@ -39,12 +41,6 @@ def proposer_report(llm) -> dict:
     from vllm_selfspec.proposer import proposer_report as report
 
     return llm.collective_rpc(report)[0]
-
-
-def spec_counters(llm) -> dict[str, float]:
-    from vllm_selfspec.proposer import spec_decode_counters
-
-    return spec_decode_counters(llm)
 
 
 def token_ids(outputs) -> list[list[int]]:
