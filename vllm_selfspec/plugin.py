@@ -17,6 +17,7 @@ def register() -> None:
         check_vllm_version,
         cpu_empty_top_k,
         cpu_expand_kernel,
+        cpu_seeded_prefill,
         front_door,
         lookahead,
     )
@@ -27,4 +28,5 @@ def register() -> None:
     if os.environ.get(UNPATCHED_SAMPLER_ENV) != "1":
         cpu_expand_kernel.apply()
     cpu_empty_top_k.apply()
+    cpu_seeded_prefill.apply()
     _registered = True

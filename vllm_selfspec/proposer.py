@@ -85,7 +85,6 @@ class SelfAdmgProposer:
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
                            common_attn_metadata) -> list[list[int]]:
         batch = runner.input_batch
-        self._forget(scheduler_output.finished_req_ids, runner.requests)
         # Rows that sampled a token this step and still have tokens to generate after the next
         # one (a draft for a request that is about to hit max_tokens would be thrown away).
         budgets = {i: self._draft_budget(runner.requests[batch.req_ids[i]])
@@ -109,12 +108,9 @@ class SelfAdmgProposer:
         remaining = params.max_tokens - len(request.output_token_ids)
         return max(0, min(self.num_speculative_tokens, remaining - 1))
 
-    def _forget(self, finished_req_ids, live_requests) -> None:
-        for req_id in finished_req_ids:
-            self.masks.pop(req_id, None)
-        if len(self.masks) > len(live_requests):  # aborted or dropped without a finish notice
-            for req_id in [r for r in self.masks if r not in live_requests]:
-                del self.masks[req_id]
+    def forget(self, req_id: str) -> None:
+        """The runner dropped this request (finished or aborted): drop its mask too."""
+        self.masks.pop(req_id, None)
 
     # ---- statistics: one probe pass over each new prompt ----------------------------------
     def _measure_prompts(self, runner, rows: list[int], cam) -> None:
@@ -135,8 +131,8 @@ class SelfAdmgProposer:
             attn_sum, mlp_sum = similarity_sums(
                 self._stream, torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
                 torch.from_numpy(row_of_token).to(device), len(rows))
-        attn_mean = (attn_sum / torch.from_numpy(query_lens)[:, None].to(attn_sum)).cpu().numpy()
-        mlp_mean = (mlp_sum / torch.from_numpy(query_lens)[:, None].to(mlp_sum)).cpu().numpy()
+        means = torch.stack([attn_sum, mlp_sum]) / torch.from_numpy(query_lens)[:, None].to(attn_sum)
+        attn_mean, mlp_mean = same_on_all_ranks(means).cpu().numpy()
         for i, row in enumerate(rows):
             mask = select_skip_mask(attn_mean[i], mlp_mean[i], self.options)
             req_id = batch.req_ids[row]
@@ -177,11 +173,12 @@ class SelfAdmgProposer:
                                       positions_t, skip_attention[active], skip_mlp[active])
             if exit_threshold > 0:
                 top_prob, next_tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-                confident = (top_prob >= exit_threshold).cpu().numpy()
+                confident = top_prob >= exit_threshold
             else:
                 next_tokens = logits.argmax(dim=-1)
-                confident = np.ones(len(active), dtype=bool)
-            next_tokens = next_tokens.cpu().numpy()
+                confident = torch.ones_like(next_tokens, dtype=torch.bool)
+            next_tokens, confident = same_on_all_ranks(torch.stack([next_tokens, confident.long()])).cpu().numpy()
+            confident = confident.astype(bool)
             for i, token, keep in zip(active, next_tokens, confident):
                 if keep:
                     drafts[rows[i]].append(int(token))
@@ -247,10 +244,19 @@ class SelfAdmgProposer:
             skip_compiled=True)
 
 
-def proposer_report(worker) -> dict:
-    """What a worker's self-admg proposer did, as plain data. Runs in the worker:
+def same_on_all_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """Tensor-parallel ranks must take identical decisions (skip masks, draft tokens, draft
+    exits), or their collectives fall out of step. Rank 0's values are used everywhere, so that
+    holds by construction, whatever the rounding of each rank's all-reduce."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().broadcast(tensor.contiguous(), src=0)  # a no-op on one rank
+
+
+def proposer_report(worker, measurements: bool = True) -> dict:
+    """What a worker's self-admg proposer did, as plain (JSON-ready) data. Runs in the worker:
     `llm.collective_rpc(proposer_report)` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1, since
-    vLLM pickles callables only when allowed)."""
+    vLLM pickles callables only when allowed), or by name through `SelfAdmgWorkerExtension`."""
     drafter = worker.model_runner.drafter
     if not isinstance(drafter, SelfAdmgProposer):
         return {}
@@ -258,12 +264,23 @@ def proposer_report(worker) -> dict:
     report = {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)
               if f.name != "measurements"}
     report["live_requests"] = sorted(drafter.masks)
-    report["measurements"] = [
-        {"prompt_key": key, "attention_similarity": attn.tolist(), "mlp_similarity": mlp.tolist(),
-         "skip_attention": list(mask.attention), "skip_mlp": list(mask.mlp)}
-        for key, attn, mlp, mask in counters.measurements
-    ]
+    if measurements:
+        report["measurements"] = [
+            {"prompt_key": key, "attention_similarity": attn.tolist(), "mlp_similarity": mlp.tolist(),
+             "skip_attention": [bool(x) for x in mask.attention], "skip_mlp": [bool(x) for x in mask.mlp]}
+            for key, attn, mlp, mask in counters.measurements
+        ]
     return report
+
+
+class SelfAdmgWorkerExtension:
+    """Lets a server report on its proposer by name, without pickled functions. Start it with
+    `--worker-extension-cls vllm_selfspec.proposer.SelfAdmgWorkerExtension` and, in vLLM's dev
+    mode (VLLM_SERVER_DEV_MODE=1), POST {"method": "self_admg_state"} to /collective_rpc."""
+
+    def self_admg_state(self) -> dict:
+        """Counters and the requests that currently hold a skip mask (one dict per worker)."""
+        return proposer_report(self, measurements=False)
 
 
 def spec_decode_counters(llm) -> dict[str, float]:
