@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 from typing import Literal, Union, get_args, get_origin
 
@@ -154,10 +155,29 @@ def _checked_speculative_config(parse_json):
     return parse
 
 
+def _report_config_errors_in_one_line() -> None:
+    """Architecture, parallelism and LoRA checks need the model's config, so they run after
+    argument parsing, where an error would end `vllm serve` in a 40-line traceback through
+    vLLM's start-up code. Uncaught, a SelfAdmgConfigError prints as one line instead (exit 1)."""
+    previous = sys.excepthook
+    if getattr(previous, "_self_admg", False):
+        return
+
+    def excepthook(kind, value, traceback):
+        if issubclass(kind, SelfAdmgConfigError):
+            print(f"error: {value}", file=sys.stderr)
+        else:
+            previous(kind, value, traceback)
+
+    excepthook._self_admg = True
+    sys.excepthook = excepthook
+
+
 def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     _wrap_create_speculative_config(EngineArgs)
     _widen_method_choices()
     _extend_cli(EngineArgs)
+    _report_config_errors_in_one_line()
 

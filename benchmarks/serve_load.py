@@ -1,0 +1,313 @@
+"""Load test of `vllm serve`: the same requests against a plain server and a self-admg server,
+one server at a time, side by side in one run.
+
+    .venv/bin/python benchmarks/serve_load.py                        # SmolLM2-135M, 500 requests
+    .venv/bin/python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests 200
+
+Each server is started with the plain `vllm` command, warmed up, then sent `--requests`
+completions from `--concurrency` concurrent clients (the official openai client) under a hard
+`--time-limit`. Reported per server: failed requests, requests/s, output tokens/s, p50/p99
+latency, resident memory of the server's processes after warm-up and at the end, acceptance
+from vLLM's `vllm:spec_decode_*` counters on /metrics, and /health afterwards. Writes
+results.json, table.md and latency.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+VLLM = str(Path(sys.executable).parent / "vllm")
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """`vllm serve MODEL ARGS...` on a free loopback port, for as long as the `with` block."""
+
+    def __init__(self, model, *args: str, log_path: Path, env: dict | None = None,
+                 startup_timeout: float = 600):
+        self.command = [VLLM, "serve", str(model), "--host", "127.0.0.1", *args]
+        self.log_path, self.env, self.startup_timeout = Path(log_path), env or {}, startup_timeout
+        self.model = str(model)
+
+    def __enter__(self) -> "VllmServer":
+        return self.start().wait_until_healthy()
+
+    def start(self) -> "VllmServer":
+        """Launch without waiting (several servers can then start at once)."""
+        self.port = free_port()
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [*self.command, "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env}, start_new_session=True)
+        return self
+
+    def wait_until_healthy(self) -> "VllmServer":
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self.process.poll() is not None:
+                self._log.close()
+                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n"
+                                   + self.log()[-3000:])
+            try:
+                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout} s:\n"
+                                   + self.log()[-3000:])
+            time.sleep(1)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url("/v1"), api_key="EMPTY", **kwargs)
+
+    def async_client(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key="EMPTY", **kwargs)
+
+    def healthy(self) -> bool:
+        import httpx
+
+        return httpx.get(self.url("/health"), timeout=10).status_code == 200
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples on /metrics, summed over labels: {sample name: value}."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(httpx.get(self.url("/metrics"), timeout=10).text):
+            for sample in family.samples:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        return totals
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and every process it started (engine core, workers)."""
+        import psutil
+
+        root = psutil.Process(self.process.pid)
+        total = 0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def rpc(self, method: str) -> list:
+        """A worker method by name through /collective_rpc (needs VLLM_SERVER_DEV_MODE=1)."""
+        import httpx
+
+        response = httpx.post(self.url("/collective_rpc"), json={"method": method}, timeout=60)
+        response.raise_for_status()
+        return response.json()["results"]
+
+
+# ---- the load -------------------------------------------------------------------------------
+
+@dataclass
+class LoadResult:
+    requests: int
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    output_tokens: int = 0
+    rss_samples: list[tuple[int, int]] = field(default_factory=list)  # (completed, bytes)
+
+
+async def run_load(server: VllmServer, prompts: list[str], num_requests: int, concurrency: int,
+                   max_tokens: int, temperatures=(0.0, 1.0), time_limit: float = 600,
+                   rss_every: int = 50, progress: bool = True) -> LoadResult:
+    """`num_requests` completions from `concurrency` clients, cycling through prompts and
+    temperatures. A request that fails or is still running at `time_limit` counts as failed."""
+    from tqdm import tqdm
+
+    client = server.async_client(max_retries=0, timeout=time_limit)
+    result = LoadResult(num_requests, 0.0)
+    next_index = iter(range(num_requests))
+    bar = tqdm(total=num_requests, desc=f"load {server.model.split('/')[-1]}", disable=not progress)
+
+    async def one_client():
+        for i in next_index:
+            start = time.perf_counter()
+            try:
+                response = await client.completions.create(
+                    model=server.model, prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
+                    temperature=temperatures[i % len(temperatures)], extra_body={"ignore_eos": True})
+                result.latencies.append(time.perf_counter() - start)
+                result.output_tokens += response.usage.completion_tokens
+            except Exception as err:  # every failure is reported, none is fatal to the load
+                result.failures.append(f"request {i}: {type(err).__name__}: {err}"[:300])
+            bar.update()
+            done = len(result.latencies) + len(result.failures)
+            if done % rss_every == 0:
+                result.rss_samples.append((done, server.rss_bytes()))
+
+    start = time.perf_counter()
+    try:
+        async with asyncio.timeout(time_limit):
+            await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    except TimeoutError:
+        unfinished = num_requests - len(result.latencies) - len(result.failures)
+        result.failures += [f"time limit of {time_limit} s reached"] * unfinished
+    result.seconds = time.perf_counter() - start
+    bar.close()
+    await client.close()
+    return result
+
+
+def percentile(values: list[float], q: int) -> float | None:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
+
+
+def summarize(name: str, load: LoadResult, rss_after_warmup: int, rss_end: int,
+              metrics: dict[str, float], healthy: bool) -> dict:
+    drafts = metrics.get("vllm:spec_decode_num_drafts_total", 0)
+    accepted = metrics.get("vllm:spec_decode_num_accepted_tokens_total", 0)
+    return {
+        "server": name, "requests": load.requests, "failed": len(load.failures),
+        "requests_per_s": round(len(load.latencies) / load.seconds, 2),
+        "output_tokens_per_s": round(load.output_tokens / load.seconds, 1),
+        "p50_latency_s": round(percentile(load.latencies, 50) or 0, 3),
+        "p99_latency_s": round(percentile(load.latencies, 99) or 0, 3),
+        "rss_after_warmup_gb": round(rss_after_warmup / 2**30, 3),
+        "rss_end_gb": round(rss_end / 2**30, 3),
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "healthy_after": healthy,
+    }
+
+
+def load_one_server(server: VllmServer, name: str, prompts, args) -> tuple[dict, LoadResult]:
+    warmup = asyncio.run(run_load(server, prompts, args.warmup, args.concurrency, args.max_tokens,
+                                  time_limit=args.time_limit, progress=False))
+    if warmup.failures:
+        raise RuntimeError(f"{name}: warm-up requests failed: {warmup.failures[:3]}")
+    rss_after_warmup = server.rss_bytes()
+    load = asyncio.run(run_load(server, prompts, args.requests, args.concurrency, args.max_tokens,
+                                time_limit=args.time_limit))
+    row = summarize(name, load, rss_after_warmup, server.rss_bytes(), server.metrics(), server.healthy())
+    return row, load
+
+
+def markdown_table(rows: list[dict]) -> str:
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot_latencies(loads: dict[str, LoadResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, load in loads.items():
+        values = sorted(load.latencies)
+        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
+    ax.set_xlabel("request latency (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="an asset name or a model directory")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--workload", choices=["humaneval", "news"], default="humaneval")
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=32,
+                        help="requests before measuring (a plain server's memory settles over ~500)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--time-limit", type=float, default=1800, help="seconds per server")
+    parser.add_argument("--speculative-config", default='{"method": "self-admg", "num_speculative_tokens": 4}')
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gb", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/serve-<date>)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> Path:
+    from vllm_selfspec import assets
+
+    args = parse_args(argv)
+    out = args.out or RESULTS_DIR / dt.datetime.now().strftime("serve-%Y-%m-%d_%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    model = assets.model_path(args.model) if args.model in assets.ASSETS else args.model
+    prompts = assets.load_prompts(args.workload, limit=64)
+    common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+              "--kv-cache-memory-bytes", str(args.kv_cache_gb << 30), "--served-model-name", str(model)]
+    servers = {"plain": common, "self-admg": [*common, "--speculative-config", args.speculative_config]}
+    rows, loads = [], {}
+    for name, server_args in servers.items():
+        with VllmServer(model, *server_args, log_path=out / f"{name}.log") as server:
+            row, loads[name] = load_one_server(server, name, prompts, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    plain_rps = rows[0]["requests_per_s"]
+    for row in rows:
+        row["speedup_requests_per_s"] = round(row["requests_per_s"] / plain_rps, 3) if plain_rps else None
+    header = (f"`vllm serve` load: {args.requests} requests ({args.workload}, {args.max_tokens} tokens, "
+              f"temperatures 0 and 1 alternating) from {args.concurrency} clients; model {args.model} "
+              f"({args.dtype}); {os.cpu_count()} CPUs; {dt.datetime.now().isoformat(timespec='seconds')}.\n"
+              f"Command: `{' '.join(['python', *sys.argv])}`\n")
+    table = header + "\n" + markdown_table(rows)
+    (out / "table.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+         "loads": {name: asdict(load) for name, load in loads.items()}}, indent=2))
+    plot_latencies(loads, out / "latency.png")
+    print("\n" + table + f"\n\nresults in {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
