@@ -61,6 +61,14 @@ def check_supported(engine_args, model_config, parallel_config) -> None:
             "parallelism is supported)")
     if engine_args.enable_lora:
         raise SelfAdmgConfigError("self-admg does not support LoRA (enable_lora must be False)")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and parallel_config.distributed_executor_backend == "ray":
+        # vLLM's own limit (its CPU platform has no Ray device), reported before any start-up.
+        raise SelfAdmgConfigError(
+            "distributed_executor_backend='ray' does not run on vLLM 0.32's CPU build; allowed "
+            "on CPU: 'mp' (the default) or 'uni'. Ray Data replicas work: see "
+            "benchmarks/ray_data_batch.py")
 
 
 def _vllm_speculative_keys() -> set[str]:

@@ -1,0 +1,79 @@
+"""Past one machine, as far as this one can test it: tensor parallelism (masks and drafts
+identical on every rank), Ray Data batch inference with a self-admg engine in every replica on
+a local Ray cluster, and a clear refusal of vLLM's Ray executor, which vLLM 0.32's CPU build
+does not support (README, "Past one machine")."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from ray import cloudpickle
+from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
+from vllm import SamplingParams
+
+from vllm_selfspec.proposer import proposer_report
+
+SPEC = importlib.util.spec_from_file_location(
+    "ray_data_batch", Path(__file__).parents[1] / "benchmarks" / "ray_data_batch.py")
+ray_data_batch = importlib.util.module_from_spec(SPEC)
+sys.modules["ray_data_batch"] = ray_data_batch
+SPEC.loader.exec_module(ray_data_batch)
+# Ray's workers cannot import the example by name: ship its classes by value.
+cloudpickle.register_pickle_by_value(ray_data_batch)
+
+pytestmark = pytest.mark.engine
+
+GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(plain_tiny, tiny_prompts):
+    return token_ids(plain_tiny.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False))
+
+
+def test_ray_data_replicas_match_plain_decoding(ray_cluster, tiny_model_path, tiny_prompts,
+                                                mixed_options, plain_greedy):
+    rows = ray_data_batch.generate(tiny_prompts * 2, str(tiny_model_path), mixed_options, workers=2,
+                                   sampling=GREEDY, engine=ENGINE_DEFAULTS, batch_size=1)
+    assert [r["token_ids"] for r in rows] == plain_greedy * 2
+    assert len({r["replica"] for r in rows}) == 2  # both replicas served rows
+
+
+def test_tensor_parallel_ranks_take_identical_decisions(tiny_model_path, tiny_prompts, mixed_options,
+                                                        plain_greedy):
+    """Tensor parallel 2 (vLLM's multiprocessing executor: the Ray executor does not run on the
+    CPU build). Each rank holds half of every layer; masks come from all-reduced activations
+    and, with the draft tokens and exits, are broadcast from rank 0, so every rank must hold
+    the same masks and draft the same tokens."""
+    llm = make_llm(tiny_model_path, tensor_parallel_size=2, speculative_config=mixed_options)
+    try:
+        outputs = llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False)
+        assert token_ids(outputs) == plain_greedy
+        assert spec_counters(llm)["num_draft_tokens"] > 0
+        reports = llm.collective_rpc(proposer_report)
+        assert len(reports) == 2
+        assert len(reports[0]["measurements"]) == len(tiny_prompts)
+        assert reports[0]["measurements"] == reports[1]["measurements"]
+        assert reports[0]["draft_tokens"] == reports[1]["draft_tokens"] > 0
+    finally:
+        close_llm(llm)
+
+
+def test_ray_executor_on_the_cpu_build_is_refused_early(tiny_model_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_selfspec.options import SelfAdmgConfigError
+
+    with pytest.raises(SelfAdmgConfigError, match="distributed_executor_backend='ray' does not run"):
+        EngineArgs(model=str(tiny_model_path), distributed_executor_backend="ray",
+                   speculative_config={"method": "self-admg"}).create_engine_config()
