@@ -25,6 +25,10 @@ ENGINE_DEFAULTS = dict(
 )
 
 
+# Neither prompt lookup nor the adaptive controller: every row self-drafts K tokens each step.
+SELF_DRAFTS_ONLY = {"lookup_ngram": 0, "adaptive": False}
+
+
 def make_llm(model, **overrides):
     from vllm import LLM
 
@@ -101,12 +105,13 @@ def splitting_threshold(similarities) -> tuple[int, float]:
 @pytest.fixture(scope="session")
 def mixed_options(tiny_reference) -> dict:
     """Thresholds that give different prompts different masks; both structural rules off so the
-    thresholds alone decide."""
+    thresholds alone decide. Self-drafts only, always K of them: these engines test the drafting
+    machinery, not the choice of how much to draft."""
     _, attention_threshold = splitting_threshold([a for a, _ in tiny_reference])
     _, mlp_threshold = splitting_threshold([m for _, m in tiny_reference])
     return {"method": "self-admg", "num_speculative_tokens": 3, "keep_edge_layers": 0,
             "fill_gaps": 0, "attention_threshold": attention_threshold,
-            "mlp_threshold": mlp_threshold, "draft_exit_threshold": 0.3}
+            "mlp_threshold": mlp_threshold, "draft_exit_threshold": 0.3, **SELF_DRAFTS_ONLY}
 
 
 # Tiny-model KV cache of ~600 tokens (2 KiB per token): more than max_model_len, less than the

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 from conftest import (
+    SELF_DRAFTS_ONLY,
     close_llm,
     make_llm,
     proposer_report,
@@ -32,7 +33,7 @@ def plain_ids(plain_tiny, tiny_prompt_ids):
 @pytest.fixture(scope="module")
 def admg_none(tiny_model_path):
     llm = make_llm(tiny_model_path, speculative_config={
-        "method": "self-admg", "num_speculative_tokens": 3,
+        "method": "self-admg", "num_speculative_tokens": 3, **SELF_DRAFTS_ONLY,
         "attention_threshold": 1.0, "mlp_threshold": 1.0, "draft_exit_threshold": 0.0})
     yield llm
     close_llm(llm)
@@ -41,7 +42,7 @@ def admg_none(tiny_model_path):
 @pytest.fixture(scope="module")
 def admg_all(tiny_model_path):
     llm = make_llm(tiny_model_path, speculative_config={
-        "method": "self-admg", "num_speculative_tokens": 2, "attention_threshold": -1.0,
+        "method": "self-admg", "num_speculative_tokens": 2, **SELF_DRAFTS_ONLY, "attention_threshold": -1.0,
         "mlp_threshold": -1.0, "keep_edge_layers": 0, "fill_gaps": 0, "draft_exit_threshold": 0.0})
     yield llm
     close_llm(llm)
@@ -171,7 +172,7 @@ def test_compiled_target_engine(tiny_model_path, tiny_prompt_ids, plain_ids):
     """vLLM's default (compiled) engine: the target runs its compiled graph, the draft runs the
     same modules eagerly beside it. Skipping nothing, every draft must be accepted."""
     llm = make_llm(tiny_model_path, enforce_eager=False, speculative_config={
-        "method": "self-admg", "num_speculative_tokens": 3, "attention_threshold": 1.0,
+        "method": "self-admg", "num_speculative_tokens": 3, **SELF_DRAFTS_ONLY, "attention_threshold": 1.0,
         "mlp_threshold": 1.0, "draft_exit_threshold": 0.0})
     try:
         from vllm.config import CompilationMode
@@ -201,3 +202,16 @@ def test_seeded_request_with_chunked_prefill(admg_mixed, tiny_prompt_ids):
     other_seed = generate(admg_mixed, [long_prompt], SamplingParams(
         temperature=1.0, seed=4321, max_tokens=24, ignore_eos=True))
     assert token_ids(other_seed) != token_ids(alone)
+
+
+def test_default_hybrid_is_lossless(tiny_model_path, tiny_prompt_ids, plain_ids):
+    """The default set-up: prompt-lookup drafts where the context repeats itself, self-drafts
+    elsewhere, and the controller deciding how much of each pays. Still plain decoding's output."""
+    llm = make_llm(tiny_model_path, speculative_config={"method": "self-admg", "num_speculative_tokens": 3})
+    try:
+        assert token_ids(generate(llm, tiny_prompt_ids)) == plain_ids
+        report = proposer_report(llm)
+        assert report["lookup_tokens"] > 0  # the first prompt repeats itself three times
+        assert spec_counters(llm)["num_draft_tokens"] >= report["lookup_tokens"]
+    finally:
+        close_llm(llm)

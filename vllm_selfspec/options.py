@@ -77,6 +77,17 @@ class SelfAdmgOptions:
         metadata={"help": "measure similarities over the last N prompt tokens (0 = the whole "
                           "prompt, as in the paper)"},
     )
+    lookup_ngram: int = field(
+        default=4,
+        metadata={"help": "draft by prompt lookup when the context's last n-gram (2..N tokens) "
+                          "occurred before, and with the model itself otherwise (0 = self-drafts "
+                          "only)"},
+    )
+    adaptive: bool = field(
+        default=True,
+        metadata={"help": "draft only as many tokens as measured step costs and acceptance say "
+                          "pay, down to none (false = always draft num_speculative_tokens)"},
+    )
 
     @property
     def skips_mlp(self) -> bool:
@@ -135,6 +146,13 @@ def make_options(raw: dict[str, Any]) -> SelfAdmgOptions:
     for name in ("keep_edge_layers", "fill_gaps", "stats_window"):
         if name in values:
             values[name] = _number(name, values[name], int, 0, 1_000_000)
+    if "lookup_ngram" in values:
+        values["lookup_ngram"] = _number("lookup_ngram", values["lookup_ngram"], int, 0, 32)
+        if values["lookup_ngram"] == 1:
+            raise SelfAdmgConfigError("self-admg option 'lookup_ngram' must be 0 (off) or in [2, 32], got 1")
+    if "adaptive" in values and not isinstance(values["adaptive"], bool):
+        raise SelfAdmgConfigError(
+            f"self-admg option 'adaptive' must be true or false, got {values['adaptive']!r}")
     return SelfAdmgOptions(**values)
 
 

@@ -4,16 +4,21 @@ vLLM builds it as a `custom_class` proposer in each worker (see `vllm_selfspec.p
 it the target model through `load_model`, and calls `propose_for_runner` after every step
 through the runner hook. Per step:
 
-1. Forget requests that are gone; measure the prompt of each new request once (a probe pass
-   over its prompt that reads the cached KV and writes nothing: exact under chunked prefill and
-   prefix caching) and turn the similarities into its `SkipMask` (`vllm_selfspec.admg`).
-2. Draft up to K tokens for every row greedily, all rows in one batch, each under its own mask.
-   Draft step j of a row feeds its last token at position q+j (q = its first unverified
-   position) and writes KV for the computed layers into the target's own slots at q+j. The
-   scheduler reserves q..q+K-1 (the lookahead patch) and the next verification pass rewrites
-   exactly those slots, so draft KV never outlives its step and verified KV is never touched.
-3. Return ragged lists; vLLM's scorer and rejection sampler verify them. Greedy drafts are
-   point masses, so rejection sampling reproduces the target's distribution exactly.
+1. Learn from the step that just ran: its time, and how much of each row's draft was accepted
+   (`vllm_selfspec.controller`).
+2. Offer each row a prompt-lookup draft when its context's last n-gram occurred before
+   (`vllm_selfspec.lookup`); the other rows can draft with the model itself. The controller
+   decides how many tokens of each pay this step, possibly none.
+3. Self-drafts: a row's prompt is measured the first time it self-drafts (a probe pass over the
+   prompt that reads the cached KV and writes nothing: exact under chunked prefill and prefix
+   caching), and the similarities become its `SkipMask` (`vllm_selfspec.admg`). Then up to K
+   greedy steps for all self-drafting rows in one batch, each under its own mask. Draft step j
+   of a row feeds its last token at position q+j (q = its first unverified position) and writes
+   KV for the computed layers into the target's own slots at q+j. The scheduler reserves
+   q..q+K-1 (the lookahead patch) and the next verification pass rewrites exactly those slots,
+   so draft KV never outlives its step and verified KV is never touched.
+4. Return ragged lists; vLLM's scorer and rejection sampler verify them. Every draft is a point
+   mass, so rejection sampling reproduces the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import numpy as np
 import torch
 
 from vllm_selfspec.admg import SkipMask, select_skip_mask
+from vllm_selfspec.controller import DraftController, DraftPlan
 from vllm_selfspec.layers import ResidualStream, draft_logits, similarity_sums
+from vllm_selfspec.lookup import prompt_lookup
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 
 # A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
@@ -47,6 +54,7 @@ class ProposerCounters:
     draft_steps: int = 0
     draft_tokens: int = 0
     draft_seconds: float = 0.0
+    lookup_tokens: int = 0
     # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
     # MLP similarity, mask). Bounded, so a long-running server does not grow it.
     measurements: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -68,7 +76,10 @@ class SelfAdmgProposer:
         self.options = make_options((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
         self.masks: dict[str, SkipMask] = {}
         self.counters = ProposerCounters()
+        self.controller = DraftController(self.num_speculative_tokens)
         self._stream: ResidualStream | None = None
+        self._drafted: dict[str, tuple[str, int]] = {}  # last step's drafts: source, length
+        self._step_end: float | None = None
 
     # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
     # kept under another name than `model`: the runner treats `drafter.model` as a separate draft
@@ -85,19 +96,64 @@ class SelfAdmgProposer:
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
                            common_attn_metadata) -> list[list[int]]:
         batch = runner.input_batch
+        self._learn(scheduler_output, sampled_token_ids, batch.req_ids)
         # Rows that sampled a token this step and still have tokens to generate after the next
         # one (a draft for a request that is about to hit max_tokens would be thrown away).
         budgets = {i: self._draft_budget(runner.requests[batch.req_ids[i]])
                    for i, tokens in enumerate(sampled_token_ids) if tokens}
         rows = [i for i, budget in budgets.items() if budget > 0]
-        new_rows = [i for i in rows if batch.req_ids[i] not in self.masks]
-        if new_rows:
-            self._measure_prompts(runner, new_rows, common_attn_metadata)
+        found = {}
+        if self.options.lookup_ngram:
+            for i in rows:
+                context = batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
+                tokens = prompt_lookup(context, self.options.lookup_ngram, budgets[i])
+                if len(tokens):
+                    found[i] = tokens
+        lookup_rows = list(found)
+        self_rows = [i for i in rows if i not in found]
+        plan = self._plan(len(budgets), [len(found[i]) for i in lookup_rows], self_rows, budgets)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if rows:
-            self._draft(runner, rows, np.array([budgets[i] for i in rows]), common_attn_metadata,
-                        drafts)
+        for i, length in zip(lookup_rows, plan.lookup_lengths):
+            drafts[i] = [int(t) for t in found[i][:length]]
+        if plan.self_length:
+            new_rows = [i for i in self_rows if batch.req_ids[i] not in self.masks]
+            if new_rows:
+                self._measure_prompts(runner, new_rows, common_attn_metadata)
+            self_budgets = np.array([min(budgets[i], plan.self_length) for i in self_rows])
+            self._draft(runner, self_rows, self_budgets, common_attn_metadata, drafts)
+        self._drafted = {batch.req_ids[i]: ("lookup" if i in found else "self", len(drafts[i]))
+                         for i in rows if drafts[i]}
+        self.counters.lookup_tokens += sum(len(drafts[i]) for i in lookup_rows)
+        self._step_end = time.perf_counter()
         return drafts
+
+    def _learn(self, scheduler_output, sampled_token_ids, req_ids) -> None:
+        """Feed the controller the step that just ran: its time (decode steps only; prefill
+        chunks cost differently) and what became of last step's drafts."""
+        now = time.perf_counter()
+        scheduled = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if self._step_end is not None and scheduled and all(
+                n == 1 + len(spec.get(r, ())) for r, n in scheduled.items()):
+            self.controller.step.observe(scheduler_output.total_num_scheduled_tokens, now - self._step_end)
+        self._step_end = None
+        for i, tokens in enumerate(sampled_token_ids):
+            drafted = self._drafted.get(req_ids[i]) if tokens else None
+            if drafted:
+                source, length = drafted
+                getattr(self.controller, "lookup" if source == "lookup" else "self_draft").observe(
+                    length, len(tokens) - 1)
+        self._drafted = {}
+
+    def _plan(self, batch_rows: int, lookup_found: list[int], self_rows: list[int], budgets) -> DraftPlan:
+        """How much of each kind of draft pays this step (everything offered, if not adaptive).
+        Timing differs between tensor-parallel ranks, so rank 0's plan is the one used."""
+        self_budget = max((budgets[i] for i in self_rows), default=0)
+        if not self.options.adaptive:
+            return DraftPlan(list(lookup_found), self_budget)
+        plan = self.controller.plan(batch_rows, lookup_found, len(self_rows), self_budget)
+        shared = same_on_all_ranks(torch.tensor([plan.self_length, *plan.lookup_lengths]))
+        return DraftPlan(shared[1:].tolist(), int(shared[0]), plan.explored)
 
     def _draft_budget(self, request) -> int:
         """How many draft tokens can still be used: verification emits accepted drafts plus one
@@ -161,6 +217,7 @@ class SelfAdmgProposer:
         exit_threshold = self.options.draft_exit_threshold
         block_size = runner.input_batch.block_table[0].block_size
         for step in range(int(budgets.max())):
+            step_start = time.perf_counter()
             positions = first_positions[active] + step
             active_rows = [rows[i] for i in active]
             positions_t = torch.from_numpy(positions).to(device)
@@ -185,6 +242,7 @@ class SelfAdmgProposer:
             tokens[active] = next_tokens
             active = active[confident & (budgets[active] > step + 1)]
             self.counters.draft_steps += 1
+            self.controller.observe_self_step(time.perf_counter() - step_start)
             if len(active) == 0:
                 break
         self.counters.draft_calls += 1
