@@ -111,7 +111,8 @@ def mixed_options(tiny_reference) -> dict:
     _, mlp_threshold = splitting_threshold([m for _, m in tiny_reference])
     return {"method": "self-admg", "num_speculative_tokens": 3, "keep_edge_layers": 0,
             "fill_gaps": 0, "attention_threshold": attention_threshold,
-            "mlp_threshold": mlp_threshold, "draft_exit_threshold": 0.3, **SELF_DRAFTS_ONLY}
+            "mlp_threshold": mlp_threshold, "draft_exit_threshold": 0.3, **SELF_DRAFTS_ONLY,
+            "draft_vocab": 128}  # of 512: drafts score a quarter of the vocabulary plus the context
 
 
 # Tiny-model KV cache of ~600 tokens (2 KiB per token): more than max_model_len, less than the

@@ -90,3 +90,20 @@ def test_before_costs_are_known_everything_offered_is_drafted():
     plan = DraftController(max_draft=4).plan(batch_rows=3, lookup_found=[2, 4], num_self_rows=1,
                                              self_budget=3)
     assert plan.lookup_lengths == [2, 4] and plan.self_length == 3
+
+
+def test_head_ids_map_draft_columns_back_to_token_ids():
+    import torch
+
+    from vllm_selfspec.layers import HeadIds
+
+    head = torch.randn(50, 8)
+    ids = HeadIds(head, num_first=10, extra=torch.tensor([17, 42]))
+    h = torch.randn(3, 8)
+    logits = torch.cat([h @ head[:10].T, h @ head[[17, 42]].T], dim=-1)
+    assert ids.token_ids(torch.tensor([3, 10, 11])).tolist() == [3, 17, 42]
+    # Restricted to the same ids, the truncated head picks what the full head picks.
+    full = h @ head.T
+    allowed = torch.tensor(list(range(10)) + [17, 42])
+    expected = allowed[full[:, allowed].argmax(-1)]
+    assert torch.equal(ids.token_ids(logits.argmax(-1)), expected)

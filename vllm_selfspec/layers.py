@@ -48,6 +48,48 @@ class ResidualStream:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.causal_lm.compute_logits(self.inner.norm(h))
 
+    def head_rows(self) -> torch.Tensor | None:
+        """The LM head's weight, one row per token id, when it is a plain unsharded matrix
+        (not under tensor parallelism or quantization); None otherwise."""
+        weight = getattr(getattr(self.causal_lm, "lm_head", None), "weight", None)
+        vocab = getattr(self.causal_lm.config, "vocab_size", None)
+        if (not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2
+                or vocab is None or weight.shape[0] < vocab):
+            return None
+        return weight[:vocab]
+
+    def draft_logits(self, h: torch.Tensor, head_ids: "HeadIds | None") -> torch.Tensor:
+        """Logits of the draft: over `head_ids` only when given (columns follow its order)."""
+        if head_ids is None:
+            return self.logits(h)
+        h = self.inner.norm(h)
+        logits = torch.nn.functional.linear(h, head_ids.first_rows)
+        if head_ids.extra is not None:
+            logits = torch.cat([logits, torch.nn.functional.linear(h, head_ids.extra_rows)], dim=-1)
+        return logits
+
+
+class HeadIds:
+    """The token ids a draft scores: the first `num_first` ids of the vocabulary (BPE ids run
+    roughly from frequent to rare, and a prefix of the weight is a view: no copy) plus `extra`
+    ids (those in the drafting sequences' contexts). A draft's argmax is a guess that
+    verification checks, so a smaller head only costs acceptance when the target's token is
+    outside the set, and it saves most of the LM head's weight reads."""
+
+    def __init__(self, head_rows: torch.Tensor, num_first: int, extra: torch.Tensor | None):
+        self.first_rows = head_rows[:num_first]
+        self.num_first = num_first
+        self.extra = extra if extra is not None and len(extra) else None
+        self.extra_rows = head_rows.index_select(0, self.extra) if self.extra is not None else None
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Map draft-logit columns back to token ids."""
+        if self.extra is None:
+            return columns
+        in_first = columns < self.num_first
+        extra = self.extra[(columns - self.num_first).clamp(min=0)]
+        return torch.where(in_first, columns, extra)
+
 
 def cosine_rows(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Per-token cosine similarity of two residual streams, in float32."""
@@ -75,7 +117,8 @@ def similarity_sums(stream: ResidualStream, input_ids: torch.Tensor, positions: 
 
 
 def draft_logits(stream: ResidualStream, input_ids: torch.Tensor, positions: torch.Tensor,
-                 skip_attention: torch.Tensor, skip_mlp: torch.Tensor) -> torch.Tensor:
+                 skip_attention: torch.Tensor, skip_mlp: torch.Tensor,
+                 head_ids: HeadIds | None = None) -> torch.Tensor:
     """One draft step for a batch of rows, each with its own skip mask ([rows, layers] bool,
     on the CPU). A sublayer that every row skips is not computed at all; one that some rows
     skip is computed for all rows (attention) or only for the keeping rows (MLP), and its
@@ -93,4 +136,4 @@ def draft_logits(stream: ResidualStream, input_ids: torch.Tensor, positions: tor
         elif keep.any():
             rows = keep.nonzero().squeeze(1).to(h.device)
             h = h.index_add(0, rows, stream.mlp(layer, h.index_select(0, rows)))
-    return stream.logits(h)
+    return stream.draft_logits(h, head_ids)

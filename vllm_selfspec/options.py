@@ -77,6 +77,12 @@ class SelfAdmgOptions:
         metadata={"help": "measure similarities over the last N prompt tokens (0 = the whole "
                           "prompt, as in the paper)"},
     )
+    draft_vocab: int = field(
+        default=32768,
+        metadata={"help": "the draft's LM head scores only the first N token ids plus those in "
+                          "the sequence's context, saving most of the head's weight reads (0 = "
+                          "the whole vocabulary)"},
+    )
     lookup_ngram: int = field(
         default=4,
         metadata={"help": "draft by prompt lookup when the context's last n-gram (2..N tokens) "
@@ -143,7 +149,7 @@ def make_options(raw: dict[str, Any]) -> SelfAdmgOptions:
     if "draft_exit_threshold" in values:
         values["draft_exit_threshold"] = _number(
             "draft_exit_threshold", values["draft_exit_threshold"], float, 0.0, 1.0)
-    for name in ("keep_edge_layers", "fill_gaps", "stats_window"):
+    for name in ("keep_edge_layers", "fill_gaps", "stats_window", "draft_vocab"):
         if name in values:
             values[name] = _number(name, values[name], int, 0, 1_000_000)
     if "lookup_ngram" in values:

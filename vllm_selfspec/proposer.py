@@ -35,7 +35,7 @@ import torch
 
 from vllm_selfspec.admg import SkipMask, select_skip_mask
 from vllm_selfspec.controller import DraftController, DraftPlan
-from vllm_selfspec.layers import ResidualStream, draft_logits, similarity_sums
+from vllm_selfspec.layers import HeadIds, ResidualStream, draft_logits, similarity_sums
 from vllm_selfspec.lookup import prompt_lookup
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 
@@ -78,6 +78,7 @@ class SelfAdmgProposer:
         self.counters = ProposerCounters()
         self.controller = DraftController(self.num_speculative_tokens)
         self._stream: ResidualStream | None = None
+        self._head_rows: torch.Tensor | None = None
         self._drafted: dict[str, tuple[str, int]] = {}  # last step's drafts: source, length
         self._step_end: float | None = None
 
@@ -86,6 +87,7 @@ class SelfAdmgProposer:
     # network (graph wrappers, EPLB, get_draft_model).
     def load_model(self, target_model: torch.nn.Module) -> None:
         self._stream = ResidualStream(target_model)
+        self._head_rows = self._stream.head_rows()
 
     def propose(self, *args, **kwargs):
         raise RuntimeError(
@@ -214,6 +216,7 @@ class SelfAdmgProposer:
         first_positions = batch.num_tokens_no_spec[rows].astype(np.int64) - 1
         tokens = batch.token_ids_cpu[rows, first_positions]
         active = np.arange(len(rows))  # indices into `rows` still drafting
+        head_ids = self._head_ids(batch, rows, device)
         exit_threshold = self.options.draft_exit_threshold
         block_size = runner.input_batch.block_table[0].block_size
         for step in range(int(budgets.max())):
@@ -227,13 +230,15 @@ class SelfAdmgProposer:
                 slot_mapping=slots, draft_index=step)
             with self._forward_context(attn_md, len(active), slot_mapping=self._slot_map(slots)):
                 logits = draft_logits(self._stream, torch.from_numpy(tokens[active]).to(device),
-                                      positions_t, skip_attention[active], skip_mlp[active])
+                                      positions_t, skip_attention[active], skip_mlp[active], head_ids)
             if exit_threshold > 0:
                 top_prob, next_tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
                 confident = top_prob >= exit_threshold
             else:
                 next_tokens = logits.argmax(dim=-1)
                 confident = torch.ones_like(next_tokens, dtype=torch.bool)
+            if head_ids is not None:
+                next_tokens = head_ids.token_ids(next_tokens)
             next_tokens, confident = same_on_all_ranks(torch.stack([next_tokens, confident.long()])).cpu().numpy()
             confident = confident.astype(bool)
             for i, token, keep in zip(active, next_tokens, confident):
@@ -248,6 +253,15 @@ class SelfAdmgProposer:
         self.counters.draft_calls += 1
         self.counters.draft_tokens += sum(len(drafts[r]) for r in rows)
         self.counters.draft_seconds += time.perf_counter() - start_time
+
+    def _head_ids(self, batch, rows: list[int], device) -> HeadIds | None:
+        """The draft's vocabulary for these rows (None: the full LM head)."""
+        num_first = self.options.draft_vocab
+        if not num_first or self._head_rows is None or num_first >= self._head_rows.shape[0]:
+            return None
+        contexts = np.concatenate([batch.token_ids_cpu[r, :batch.num_tokens_no_spec[r]] for r in rows])
+        extra = np.unique(contexts[contexts >= num_first])
+        return HeadIds(self._head_rows, num_first, torch.from_numpy(extra).to(device))
 
     # ---- vLLM plumbing -------------------------------------------------------------------
     @staticmethod
