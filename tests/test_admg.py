@@ -139,3 +139,30 @@ def test_is_self_admg_spellings():
     assert is_self_admg({"model": "self-admg", "num_speculative_tokens": 2})
     assert not is_self_admg({"method": "ngram"})
     assert not is_self_admg(None)
+
+
+def test_budget_rule_skips_least_change_per_byte_until_the_budget_is_met():
+    from vllm_selfspec.admg import budget_rule
+
+    attention = [0.999, 0.99, 0.98, 0.97]
+    mlp = [0.85, 0.995, 0.99, 0.8]
+    everywhere = [True] * 4
+    # Attention costs 1 byte, MLP 10; total 44. Change per byte: attention 0.001, 0.01, 0.02,
+    # 0.03; MLP 0.015, 0.0005, 0.001, 0.02. Half the bytes: MLP 1, attention 0, MLP 2 (21
+    # bytes), then attention 1 (22).
+    skip_attention, skip_mlp = budget_rule(attention, mlp, 1.0, 10.0, 0.5, everywhere, everywhere)
+    assert skip_mlp == [False, True, True, False] and skip_attention == [True, True, False, False]
+    # A budget is met, not exceeded by more than the last sublayer taken.
+    skip_attention, skip_mlp = budget_rule(attention, mlp, 1.0, 10.0, 0.2, everywhere, everywhere)
+    assert skip_mlp == [False, True, False, False] and not any(skip_attention)
+    # Sublayers that may not be skipped are never chosen.
+    _, skip_mlp = budget_rule(attention, mlp, 1.0, 10.0, 0.2, everywhere, [True, False, True, True])
+    assert skip_mlp == [False, False, True, False]
+
+
+def test_skip_budget_keeps_edge_layers_and_the_skip_kind():
+    opts = SelfAdmgOptions(skip_budget=0.9, keep_edge_layers=1, skip="attention")
+    mask = select_skip_mask([0.99] * 5, [0.99] * 5, opts, sublayer_bytes=(1.0, 10.0))
+    assert mask.attention == (False, True, True, True, False) and not any(mask.mlp)
+    with pytest.raises(ValueError, match="weight bytes"):
+        select_skip_mask([0.99] * 5, [0.99] * 5, opts)

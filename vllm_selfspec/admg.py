@@ -5,7 +5,9 @@ is, for each decoder layer l and sublayer f in {attention, MLP}, the cosine simi
 the residual stream entering f and the stream after f's output is added, averaged over the
 prompt's tokens. A similarity near 1 means f barely changes the stream, so a draft may skip it.
 
-Rules, applied in this order (each switchable through `SelfAdmgOptions`):
+Rules, applied in this order (each switchable through `SelfAdmgOptions`), unless a byte budget
+is set (`skip_budget`, `budget_rule` below: rank by change per byte saved, skip until the budget
+is met, edge layers kept):
 1. threshold (the paper's rule): skip f when its similarity is above the threshold.
 2. fill_gaps (structural, ours, in the paper's spirit of rules that remove more layers): a kept
    sublayer whose neighbours of the same kind, within `fill_gaps` layers on *both* sides, are
@@ -83,11 +85,43 @@ def select_sublayers(similarity: Sequence[float], threshold: float,
     return keep_edge_layers_rule(skip, options.keep_edge_layers)
 
 
+def budget_rule(attention_similarity: Sequence[float], mlp_similarity: Sequence[float],
+                attention_bytes: float, mlp_bytes: float, budget: float,
+                skippable_attention: Sequence[bool], skippable_mlp: Sequence[bool]) -> tuple[list[bool], list[bool]]:
+    """Skip the sublayers that change the stream least per weight byte saved (1 - similarity
+    over bytes), until `budget` of all the sublayers' bytes is saved: a fractional knapsack.
+    A fixed threshold means a different draft cost on every model (similarities are inflated
+    by a few huge residual dimensions, by different amounts); a byte budget does not."""
+    n = len(attention_similarity)
+    candidates = [((1 - float(attention_similarity[i])) / attention_bytes, "attention", i, attention_bytes)
+                  for i in range(n) if skippable_attention[i]]
+    candidates += [((1 - float(mlp_similarity[i])) / mlp_bytes, "mlp", i, mlp_bytes)
+                   for i in range(n) if skippable_mlp[i]]
+    skip = {"attention": [False] * n, "mlp": [False] * n}
+    saved, target = 0.0, budget * n * (attention_bytes + mlp_bytes)
+    for _, kind, i, cost in sorted(candidates):
+        if saved >= target:
+            break
+        skip[kind][i] = True
+        saved += cost
+    return skip["attention"], skip["mlp"]
+
+
 def select_skip_mask(attention_similarity: Sequence[float], mlp_similarity: Sequence[float],
-                     options: SelfAdmgOptions) -> SkipMask:
-    """One sequence's draft: the sublayers its prompt's statistics say it can skip."""
+                     options: SelfAdmgOptions, sublayer_bytes: tuple[float, float] | None = None) -> SkipMask:
+    """One sequence's draft: the sublayers its prompt's statistics say it can skip.
+    `sublayer_bytes` (attention, MLP weight bytes per layer) is needed for `skip_budget`."""
     if len(attention_similarity) != len(mlp_similarity):
         raise ValueError("attention and MLP statistics must cover the same layers")
+    if options.skip_budget > 0:
+        if sublayer_bytes is None:
+            raise ValueError("skip_budget needs the sublayers' weight bytes")
+        n = len(attention_similarity)
+        edges = keep_edge_layers_rule([True] * n, options.keep_edge_layers)
+        attention, mlp = budget_rule(attention_similarity, mlp_similarity, *sublayer_bytes,
+                                     options.skip_budget, edges,
+                                     edges if options.skips_mlp else [False] * n)
+        return SkipMask(tuple(attention), tuple(mlp))
     attention = select_sublayers(attention_similarity, options.attention_threshold, options)
     if options.skips_mlp:
         mlp = select_sublayers(mlp_similarity, options.mlp_threshold, options)

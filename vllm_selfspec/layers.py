@@ -34,6 +34,13 @@ class ResidualStream:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def sublayer_bytes(self) -> tuple[float, float]:
+        """Weight bytes of one attention and one MLP sublayer (what a decode step reads)."""
+        def size(module):
+            return float(sum(p.numel() * p.element_size() for p in module.parameters()))
+
+        return size(self.layers[0].self_attn), size(self.layers[0].mlp)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_input_ids(input_ids)
 

@@ -77,6 +77,12 @@ class SelfAdmgOptions:
         metadata={"help": "measure similarities over the last N prompt tokens (0 = the whole "
                           "prompt, as in the paper)"},
     )
+    skip_budget: float = field(
+        default=0.0,
+        metadata={"help": "instead of the thresholds: skip the sublayers that change the stream "
+                          "least per weight byte until this share of the layers' bytes is saved "
+                          "(0 = use the thresholds, as in the paper)"},
+    )
     draft_vocab: int = field(
         default=32768,
         metadata={"help": "the draft's LM head scores only the first N token ids plus those in "
@@ -146,6 +152,8 @@ def make_options(raw: dict[str, Any]) -> SelfAdmgOptions:
     for name in ("attention_threshold", "mlp_threshold"):
         if name in values:
             values[name] = _number(name, values[name], float, -1.0, 1.0)
+    if "skip_budget" in values:
+        values["skip_budget"] = _number("skip_budget", values["skip_budget"], float, 0.0, 0.95)
     if "draft_exit_threshold" in values:
         values["draft_exit_threshold"] = _number(
             "draft_exit_threshold", values["draft_exit_threshold"], float, 0.0, 1.0)

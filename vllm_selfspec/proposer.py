@@ -88,6 +88,7 @@ class SelfAdmgProposer:
     def load_model(self, target_model: torch.nn.Module) -> None:
         self._stream = ResidualStream(target_model)
         self._head_rows = self._stream.head_rows()
+        self._sublayer_bytes = self._stream.sublayer_bytes()
 
     def propose(self, *args, **kwargs):
         raise RuntimeError(
@@ -192,7 +193,7 @@ class SelfAdmgProposer:
         means = torch.stack([attn_sum, mlp_sum]) / torch.from_numpy(query_lens)[:, None].to(attn_sum)
         attn_mean, mlp_mean = same_on_all_ranks(means).cpu().numpy()
         for i, row in enumerate(rows):
-            mask = select_skip_mask(attn_mean[i], mlp_mean[i], self.options)
+            mask = select_skip_mask(attn_mean[i], mlp_mean[i], self.options, self._sublayer_bytes)
             req_id = batch.req_ids[row]
             self.masks[req_id] = mask
             key = prompt_key(batch.token_ids_cpu[row, :prompt_lens[i]])
