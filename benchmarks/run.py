@@ -47,7 +47,7 @@ MODES = {
 }
 
 COLUMNS = ["method", "workload", "batch", "temperature", "tokens_per_s", "speedup",
-           "mean_acceptance_length", "draft_tokens_per_step", "draft_cost_ratio", "ttft_ms",
+           "mean_acceptance_length", "draft_tokens_per_step", "lookup_share", "draft_cost_ratio", "ttft_ms",
            "probe_ms_per_request", "peak_rss_gb", "skipped_mean", "skipped_std", "lossless"]
 
 
@@ -59,8 +59,10 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
         "suffix": {"method": "suffix", "num_speculative_tokens": K},
         "draft_model": ({"method": "draft_model", "model": draft_path, "num_speculative_tokens": K}
                         if draft_path else None),
-        # The paper's setting: attention sublayers only; everything else at our defaults.
-        "self-admg-paper": {"method": "self-admg", "num_speculative_tokens": K, "skip": "attention"},
+        # The paper's setting: self-drafts skipping attention sublayers by threshold, with draft
+        # exit; no prompt lookup, no cost control, the full LM head.
+        "self-admg-paper": {"method": "self-admg", "num_speculative_tokens": K, "skip": "attention",
+                            **PAPER},
         "self-admg": {"method": "self-admg", "num_speculative_tokens": K},
     }
     if draft_path is None:
@@ -68,16 +70,31 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
     return methods
 
 
+# Self-drafts as the paper makes them: no prompt lookup, always K, the whole LM head.
+PAPER = {"lookup_ngram": 0, "adaptive": False, "draft_vocab": 0}
+
+
 def ablation_configs() -> dict[str, dict]:
+    """Variants of the default, one change each; the self-draft sweeps (thresholds, budgets,
+    rules, draft length) run with self-drafts only and always K, or the controller would hide
+    what they do."""
     base = {"method": "self-admg", "num_speculative_tokens": K}
-    variants = {}
-    for attn, mlp in [(0.98, 0.96), (0.985, 0.97), (0.99, 0.975), (0.995, 0.98)]:
-        variants[f"thresholds {attn}/{mlp}"] = {**base, "attention_threshold": attn, "mlp_threshold": mlp}
+    self_only = {**base, "lookup_ngram": 0, "adaptive": False}
+    variants = {
+        "prompt lookup off": {**base, "lookup_ngram": 0},
+        "adaptive off": {**base, "adaptive": False},
+        "full draft vocabulary": {**self_only, "draft_vocab": 0},
+    }
+    for attn, mlp in [(0.985, 0.97), (0.99, 0.975), (0.995, 0.98)]:
+        variants[f"self-drafts, thresholds {attn}/{mlp}"] = {**self_only, "attention_threshold": attn,
+                                                           "mlp_threshold": mlp}
+    for budget in (0.1, 0.2, 0.3):
+        variants[f"self-drafts, skip budget {budget}"] = {**self_only, "skip_budget": budget}
     for k in (2, 6):
-        variants[f"max draft length {k}"] = {**base, "num_speculative_tokens": k}
-    variants["structural rules off"] = {**base, "keep_edge_layers": 0, "fill_gaps": 0}
-    variants["attention only"] = {**base, "skip": "attention"}
-    variants["draft exit off"] = {**base, "draft_exit_threshold": 0.0}
+        variants[f"self-drafts, max draft length {k}"] = {**self_only, "num_speculative_tokens": k}
+    variants["self-drafts, structural rules off"] = {**self_only, "keep_edge_layers": 0, "fill_gaps": 0}
+    variants["self-drafts, attention only"] = {**self_only, "skip": "attention"}
+    variants["self-drafts, draft exit off"] = {**self_only, "draft_exit_threshold": 0.0}
     return variants
 
 
@@ -129,6 +146,7 @@ class Cell:
     probe_seconds: float = 0.0
     draft_seconds: float = 0.0
     draft_steps: int = 0
+    lookup_tokens: int = 0
     skipped: list[int] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     peak_rss: int = 0
@@ -166,6 +184,7 @@ def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_
         cell.probe_seconds = report["probe_seconds"] - report_before["probe_seconds"]
         cell.draft_seconds = report["draft_seconds"] - report_before["draft_seconds"]
         cell.draft_steps = report["draft_steps"] - report_before["draft_steps"]
+        cell.lookup_tokens = report["lookup_tokens"] - report_before["lookup_tokens"]
         # The measurement log is bounded, so count new entries, not the log's growth.
         num_new = report["prompts_measured"] - report_before["prompts_measured"]
         new = report["measurements"][-num_new:] if num_new else []
@@ -247,6 +266,9 @@ def summarize(cells: list[Cell]) -> list[dict]:
             "speedup": round(tps / (p.output_tokens / p.seconds), 3) if p else None,
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
             "draft_tokens_per_step": round(drafted / drafts, 3) if drafts else None,
+            # self-admg: the share of its draft tokens that came from prompt lookup
+            "lookup_share": (round(c.lookup_tokens / drafted, 3)
+                             if drafted and (c.lookup_tokens or c.draft_steps) else None),
             "draft_cost_ratio": (round(c.draft_seconds / c.draft_steps / plain_step, 3)
                                  if c.draft_steps and plain_step else None),
             "ttft_ms": round(1000 * statistics.mean(c.ttft_s), 1) if c.ttft_s else None,

@@ -119,6 +119,8 @@ class SelfAdmgProposer:
         for i, length in zip(lookup_rows, plan.lookup_lengths):
             drafts[i] = [int(t) for t in found[i][:length]]
         if plan.self_length:
+            if plan.explored:  # a retry: rows that have a mask, or one new row (one probe)
+                self_rows = [i for i in self_rows if batch.req_ids[i] in self.masks] or self_rows[:1]
             new_rows = [i for i in self_rows if batch.req_ids[i] not in self.masks]
             if new_rows:
                 self._measure_prompts(runner, new_rows, common_attn_metadata)
