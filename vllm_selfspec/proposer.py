@@ -88,6 +88,7 @@ class SelfAdmgProposer:
     def load_model(self, target_model: torch.nn.Module) -> None:
         self._stream = ResidualStream(target_model)
         self._head_rows = self._stream.head_rows()
+        self._device = next(target_model.parameters()).device
         self._sublayer_bytes = self._stream.sublayer_bytes()
 
     def propose(self, *args, **kwargs):
@@ -157,8 +158,9 @@ class SelfAdmgProposer:
         if not self.options.adaptive:
             return DraftPlan(list(lookup_found), self_budget)
         plan = self.controller.plan(batch_rows, lookup_found, len(self_rows), self_budget)
-        shared = same_on_all_ranks(torch.tensor([plan.self_length, *plan.lookup_lengths]))
-        return DraftPlan(shared[1:].tolist(), int(shared[0]), plan.explored)
+        shared = same_on_all_ranks(torch.tensor(
+            [plan.self_length, plan.explored, *plan.lookup_lengths], device=self._device)).tolist()
+        return DraftPlan(shared[2:], shared[0], bool(shared[1]))
 
     def _draft_budget(self, request) -> int:
         """How many draft tokens can still be used: verification emits accepted drafts plus one
