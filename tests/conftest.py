@@ -4,6 +4,7 @@ session (or module) and shut down when their last user is done."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,16 @@ def make_llm(model, **overrides):
     from vllm import LLM
 
     return LLM(model=str(model), **{**ENGINE_DEFAULTS, **overrides})
+
+
+def load_benchmark(name: str):
+    """A script under benchmarks/ as a module (the folder is not a package). Registered in
+    sys.modules: dataclasses and pickling look a class's module up there."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def close_llm(llm) -> None:

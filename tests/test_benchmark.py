@@ -1,18 +1,12 @@
 """The benchmark harness: its quick path on the tiny model writes the table with every column,
 and its lossless check passes for exact methods and flags a mismatch loudly."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
-SPEC = importlib.util.spec_from_file_location(
-    "bench_run", Path(__file__).parents[1] / "benchmarks" / "run.py")
-bench = importlib.util.module_from_spec(SPEC)
-sys.modules["bench_run"] = bench  # dataclasses look their module up there
-SPEC.loader.exec_module(bench)
+bench = load_benchmark("run")
 
 
 def test_lossless_check_flags_mismatches():

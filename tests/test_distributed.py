@@ -3,22 +3,15 @@ identical on every rank), Ray Data batch inference with a self-admg engine in ev
 a local Ray cluster, and a clear refusal of vLLM's Ray executor, which vLLM 0.32's CPU build
 does not support (README, "Past one machine")."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 from ray import cloudpickle
-from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
+from conftest import ENGINE_DEFAULTS, close_llm, load_benchmark, make_llm, spec_counters, token_ids
 from vllm import SamplingParams
 
 from vllm_selfspec.proposer import proposer_report
 
-SPEC = importlib.util.spec_from_file_location(
-    "ray_data_batch", Path(__file__).parents[1] / "benchmarks" / "ray_data_batch.py")
-ray_data_batch = importlib.util.module_from_spec(SPEC)
-sys.modules["ray_data_batch"] = ray_data_batch
-SPEC.loader.exec_module(ray_data_batch)
+ray_data_batch = load_benchmark("ray_data_batch")
 # Ray's workers cannot import the example by name: ship its classes by value.
 cloudpickle.register_pickle_by_value(ray_data_batch)
 

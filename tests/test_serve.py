@@ -3,21 +3,15 @@ plain server and a self-admg server run side by side on the tiny model, and ever
 response must be identical. Also: streaming, chat, stop strings, max_tokens, logprobs, seeds,
 mixed temperatures in flight, client disconnects, bad requests, and a bounded load test."""
 
-import importlib.util
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
+from conftest import load_benchmark
 
-SPEC = importlib.util.spec_from_file_location(
-    "serve_load", Path(__file__).parents[1] / "benchmarks" / "serve_load.py")
-serve_load = importlib.util.module_from_spec(SPEC)
-sys.modules["serve_load"] = serve_load
-SPEC.loader.exec_module(serve_load)
+serve_load = load_benchmark("serve_load")
 
 pytestmark = pytest.mark.engine
 
