@@ -291,6 +291,23 @@ def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
     return "\n".join(lines)
 
 
+def speedup_pivot(rows: list[dict]) -> str:
+    """Cells (workload, batch, temperature) by methods: speedup over plain decoding, with an x
+    where the lossless check failed."""
+    rows = [r for r in rows if r.get("speedup") is not None and r["method"] != "plain"]
+    cells = sorted({(r["workload"], r["batch"], r["temperature"]) for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by_key = {(r["method"], r["workload"], r["batch"], r["temperature"]): r for r in rows}
+    lines = ["| workload | B | T | " + " | ".join(methods) + " |", "|---|---|---|" + "---|" * len(methods)]
+    for w, b, t in cells:
+        values = []
+        for m in methods:
+            r = by_key.get((m, w, b, t))
+            values.append("" if r is None else f"{r['speedup']:.2f}" + (" x" if "MISMATCH" in r["lossless"] else ""))
+        lines.append(f"| {w} | {b} | {t:g} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
 def environment(args) -> dict:
     import torch
 
@@ -427,7 +444,9 @@ def main(argv=None) -> Path:
               f"tokens per request, K={K}; {env['cpus']} CPUs ({env['machine']}), vLLM {env['vllm']}, "
               f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}.\n"
               f"Command: `{' '.join(['python', *sys.argv])}`\n")
-    table = header + "\n" + markdown_table(rows)
+    table = (header + "\nSpeedup over plain decoding (x: a temperature-0 output differs from plain "
+             "decoding's, see the lossless column):\n\n" + speedup_pivot(rows) + "\n\nAll columns:\n\n"
+             + markdown_table(rows))
     if ablation_rows:
         table += "\n\nAblations (humaneval, batch 1, temperature 0):\n\n" + markdown_table(ablation_rows)
     (out / "table.md").write_text(table + "\n")
