@@ -40,6 +40,9 @@ def test_step_cost_fits_a_line_and_ignores_idle_gaps():
     assert cost.coefficients() == pytest.approx((0.2, 0.01))
     cost.observe(1, 60.0)  # the engine sat idle between requests
     assert cost.coefficients() == pytest.approx((0.2, 0.01))
+    for _ in range(3):  # but steps that really got slower are followed
+        cost.observe(1, 2.0)
+    assert cost.predict(1) > 0.3
 
 
 def trained(t0, t1, self_step, lookup_rate, self_rate):

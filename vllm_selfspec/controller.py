@@ -66,10 +66,16 @@ class StepCost:
     prior_marginal_share: float = 0.1
     sums: dict = field(default_factory=lambda: dict(w=0.0, n=0.0, nn=0.0, y=0.0, ny=0.0))
     samples: int = 0
+    outliers_in_a_row: int = 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        # A lone outlier is an idle gap between requests, not a step; a run of them means the
+        # costs changed (say, a much bigger batch) and the fit must follow.
         if self.samples >= self.min_samples and seconds > 4 * self.predict(num_tokens):
-            return  # an idle gap between requests, not a step
+            self.outliers_in_a_row += 1
+            if self.outliers_in_a_row < 3:
+                return
+        self.outliers_in_a_row = 0
         s = self.sums
         for key in s:
             s[key] *= self.decay
