@@ -418,6 +418,7 @@ def main(argv=None) -> Path:
     cells: list[Cell] = []
     for name, spec in methods.items():
         run_engine(name, spec, model, args, prompts, cells)
+        write_results(out, args, summarize(cells), [], cells, final=False)  # survives a stop
     rows = summarize(cells)
 
     ablation_rows = []
@@ -428,21 +429,30 @@ def main(argv=None) -> Path:
                     and c.batch == 1 and c.temperature == 0.0]
         for name, spec in ablation_configs().items():
             run_engine(f"ablation: {name}", spec, model, ab_args, prompts, ab_cells)
-        ablation_rows = [r for r in summarize(ab_cells) if r["method"].startswith("ablation")]
+            ablation_rows = [r for r in summarize(ab_cells) if r["method"].startswith("ablation")]
+            write_results(out, args, rows, ablation_rows, cells, final=False)
+    table = write_results(out, args, rows, ablation_rows, cells, final=True)
+    print("\n" + table)
+    print(f"\nresults in {out}")
+    return out
 
-    (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
+
+def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> str:
+    """Everything measured so far: environment, results (json, csv), table, plots."""
+    env = environment(args)
+    (out / "environment.json").write_text(json.dumps(env, indent=2, default=str))
     (out / "results.json").write_text(json.dumps(
-        {"rows": rows, "ablations": ablation_rows,
+        {"complete": final, "rows": rows, "ablations": ablation_rows,
          "cells": [{k: v for k, v in dataclasses.asdict(c).items() if k != "token_ids"} for c in cells]},
         indent=2, default=str))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows + ablation_rows)
-    env = environment(args)
     header = (f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
               f"tokens per request, K={K}; {env['cpus']} CPUs ({env['machine']}), vLLM {env['vllm']}, "
-              f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}.\n"
+              f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
+              f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
               f"Command: `{' '.join(['python', *sys.argv])}`\n")
     table = (header + "\nSpeedup over plain decoding (x: a temperature-0 output differs from plain "
              "decoding's, see the lossless column):\n\n" + speedup_pivot(rows) + "\n\nAll columns:\n\n"
@@ -451,9 +461,7 @@ def main(argv=None) -> Path:
         table += "\n\nAblations (humaneval, batch 1, temperature 0):\n\n" + markdown_table(ablation_rows)
     (out / "table.md").write_text(table + "\n")
     plot(rows, ablation_rows, out)
-    print("\n" + table)
-    print(f"\nresults in {out}")
-    return out
+    return table
 
 
 if __name__ == "__main__":
