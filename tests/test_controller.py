@@ -89,10 +89,11 @@ def test_an_unused_source_is_retried_with_back_off():
     assert retries[:3] == [15, 47, 111]  # after 16, then 32, then 64 idle steps
 
 
-def test_before_costs_are_known_everything_offered_is_drafted():
+def test_before_costs_are_known_only_free_drafts_are_made():
+    """Lookup drafts need no forward pass; self-drafts wait until their cost can be judged."""
     plan = DraftController(max_draft=4).plan(batch_rows=3, lookup_found=[2, 4], num_self_rows=1,
                                              self_budget=3)
-    assert plan.lookup_lengths == [2, 4] and plan.self_length == 3
+    assert plan.lookup_lengths == [2, 4] and plan.self_length == 0
 
 
 def test_head_ids_map_draft_columns_back_to_token_ids():

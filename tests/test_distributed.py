@@ -53,6 +53,8 @@ def test_tensor_parallel_ranks_take_identical_decisions(tiny_model_path, tiny_pr
     try:
         outputs = llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False)
         assert token_ids(outputs) == plain_greedy
+        # Long enough for the controller to retry self-drafts (so masks exist to compare).
+        llm.generate(tiny_prompts, SamplingParams(**{**GREEDY, "max_tokens": 96}), use_tqdm=False)
         assert spec_counters(llm)["num_draft_tokens"] > 0
         reports = llm.collective_rpc(proposer_report)
         assert len(reports) == 2

@@ -3,8 +3,8 @@
 Pure arithmetic, no vLLM (unit-tested in tests/test_controller.py). The proposer feeds it what
 it observes and asks it, every step, how long each row's draft should be.
 
-Model. A step that verifies n tokens takes T(n) = t0 + t1*n seconds (fitted online to decode
-steps). A self-draft step over m rows takes e seconds (measured). A draft token at depth j from
+Model. A step that computes n tokens takes T(n) = t0 + t1*n seconds (fitted online to every
+step: a verified draft token costs what a prompt token costs, one more query row). A self-draft step over m rows takes e seconds (measured). A draft token at depth j from
 a source whose tokens are accepted with probability a (prompt lookup or self-draft, each
 measured) is emitted with probability a**j. So a plain step yields B tokens in T(B); each
 added draft token adds a**j expected tokens at the price of t1 (lookup) or t1 + e/m per row
@@ -139,8 +139,8 @@ class DraftController:
              self_budget: int) -> DraftPlan:
         """Draft lengths for one step: `lookup_found[i]` tokens are available from prompt lookup
         for each lookup row; `num_self_rows` rows could self-draft up to `self_budget` tokens."""
-        if not self.step.ready:  # learn the step cost first: draft everything offered
-            return DraftPlan(list(lookup_found), self_budget if num_self_rows else 0)
+        if not self.step.ready:  # learn the step cost first, with the drafts that cost nothing
+            return DraftPlan(list(lookup_found), 0)
         t0, t1 = self.step.coefficients()
         tokens, seconds = float(batch_rows), t0 + t1 * batch_rows
         a_lookup, a_self = self.lookup.rate, self.self_draft.rate

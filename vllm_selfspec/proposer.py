@@ -134,13 +134,11 @@ class SelfAdmgProposer:
         return drafts
 
     def _learn(self, scheduler_output, sampled_token_ids, req_ids) -> None:
-        """Feed the controller the step that just ran: its time (decode steps only; prefill
-        chunks cost differently) and what became of last step's drafts."""
+        """Feed the controller the step that just ran: its time against the tokens it
+        computed (prompt chunks included: under load few steps are decode-only), and what
+        became of last step's drafts."""
         now = time.perf_counter()
-        scheduled = scheduler_output.num_scheduled_tokens
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        if self._step_end is not None and scheduled and all(
-                n == 1 + len(spec.get(r, ())) for r, n in scheduled.items()):
+        if self._step_end is not None and scheduler_output.total_num_scheduled_tokens:
             self.controller.step.observe(scheduler_output.total_num_scheduled_tokens, now - self._step_end)
         self._step_end = None
         for i, tokens in enumerate(sampled_token_ids):
