@@ -43,11 +43,13 @@ def test_ray_data_replicas_match_plain_decoding(ray_cluster, tiny_model_path, ti
 
 
 def test_tensor_parallel_ranks_take_identical_decisions(tiny_model_path, tiny_prompts, mixed_options,
-                                                        plain_greedy):
+                                                        plain_greedy, monkeypatch):
     """Tensor parallel 2 (vLLM's multiprocessing executor: the Ray executor does not run on the
     CPU build). Each rank holds half of every layer; masks come from all-reduced activations
     and, with the draft tokens and exits, are broadcast from rank 0, so every rank must hold
     the same masks and draft the same tokens."""
+    # vLLM's CPU auto-binding wants a NUMA node per rank, and this machine has one: one core each.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     hybrid = {**mixed_options, "lookup_ngram": 4, "adaptive": True}  # rank-local timings
     llm = make_llm(tiny_model_path, tensor_parallel_size=2, speculative_config=hybrid)
     try:
