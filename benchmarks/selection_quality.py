@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from vllm_selfspec.admg import budget_rule, keep_edge_layers_rule
+from vllm_selfspec.layers import weight_bytes
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -124,8 +125,7 @@ def main(argv=None) -> Path:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     skipper = Skipper(model)
     n = len(skipper.layers)
-    attention_bytes = float(sum(p.numel() * p.element_size() for p in skipper.layers[0].self_attn.parameters()))
-    mlp_bytes = float(sum(p.numel() * p.element_size() for p in skipper.layers[0].mlp.parameters()))
+    attention_bytes, mlp_bytes = weight_bytes(skipper.layers[0].self_attn), weight_bytes(skipper.layers[0].mlp)
     skippable = keep_edge_layers_rule([True] * n, 1)
 
     prompts = [tokenizer(p).input_ids for p in assets.load_prompts(args.workload, limit=args.prompts)]

@@ -46,7 +46,7 @@ def test_step_cost_fits_a_line_and_ignores_idle_gaps():
 
 
 def trained(t0, t1, self_step, lookup_rate, self_rate):
-    controller = DraftController(max_draft=4)
+    controller = DraftController()
     for n in [1, 3, 5] * 4:
         controller.step.observe(n, t0 + t1 * n)
     controller.observe_self_step(self_step)
@@ -91,7 +91,7 @@ def test_an_unused_source_is_retried_with_back_off():
 
 def test_before_costs_are_known_only_free_drafts_are_made():
     """Lookup drafts need no forward pass; self-drafts wait until their cost can be judged."""
-    plan = DraftController(max_draft=4).plan(batch_rows=3, lookup_found=[2, 4], num_self_rows=1,
+    plan = DraftController().plan(batch_rows=3, lookup_found=[2, 4], num_self_rows=1,
                                              self_budget=3)
     assert plan.lookup_lengths == [2, 4] and plan.self_length == 0
 

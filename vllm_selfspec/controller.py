@@ -116,7 +116,6 @@ class DraftPlan:
 
 @dataclass
 class DraftController:
-    max_draft: int
     lookup: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(prior=0.6))
     self_draft: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(prior=0.7))
     step: StepCost = field(default_factory=StepCost)

@@ -36,10 +36,7 @@ class ResidualStream:
 
     def sublayer_bytes(self) -> tuple[float, float]:
         """Weight bytes of one attention and one MLP sublayer (what a decode step reads)."""
-        def size(module):
-            return float(sum(p.numel() * p.element_size() for p in module.parameters()))
-
-        return size(self.layers[0].self_attn), size(self.layers[0].mlp)
+        return weight_bytes(self.layers[0].self_attn), weight_bytes(self.layers[0].mlp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_input_ids(input_ids)
@@ -96,6 +93,11 @@ class HeadIds:
         in_first = columns < self.num_first
         extra = self.extra[(columns - self.num_first).clamp(min=0)]
         return torch.where(in_first, columns, extra)
+
+
+def weight_bytes(module: nn.Module) -> float:
+    """Bytes of a module's parameters: what a forward pass through it reads."""
+    return float(sum(p.numel() * p.element_size() for p in module.parameters()))
 
 
 def cosine_rows(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,7 @@ class SelfAdmgProposer:
         self.options = make_options((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
         self.masks: dict[str, SkipMask] = {}
         self.counters = ProposerCounters()
-        self.controller = DraftController(self.num_speculative_tokens)
+        self.controller = DraftController()
         self._stream: ResidualStream | None = None
         self._head_rows: torch.Tensor | None = None
         self._drafted: dict[str, tuple[str, int]] = {}  # last step's drafts: source, length
