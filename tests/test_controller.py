@@ -1,9 +1,11 @@
 """The draft controller and prompt lookup: pure functions, no engine."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from vllm_selfspec.controller import AcceptanceRate, DraftController, StepCost
+from vllm_selfspec.controller import AcceptanceRate, DraftController, RowOffer, target_step_cost
 from vllm_selfspec.lookup import prompt_lookup
 
 
@@ -33,67 +35,136 @@ def test_acceptance_rate_counts_trials_up_to_the_first_rejection():
     assert rate.rate == pytest.approx(6 / 8)
 
 
-def test_step_cost_fits_a_line_and_ignores_idle_gaps():
-    cost = StepCost(decay=1.0)
-    for n in [1, 2, 3, 4, 5] * 4:
-        cost.observe(n, 0.2 + 0.01 * n)
-    assert cost.coefficients() == pytest.approx((0.2, 0.01))
-    cost.observe(1, 60.0)  # the engine sat idle between requests
-    assert cost.coefficients() == pytest.approx((0.2, 0.01))
+def target_step_cost():
+    from vllm_selfspec import controller
+
+    return dataclasses.replace(controller.target_step_cost(), decay=1.0)
+
+
+def test_step_cost_fits_each_kind_of_work_and_ignores_idle_gaps():
+    cost = target_step_cost()
+    # Decode steps of 1-8 rows, half of them sampling, and a few prefill chunks.
+    steps = [(0, n, s) for n in range(1, 9) for s in (0, n // 2)] + [(300, 1, 0), (120, 2, 1)]
+    for p, n, s in steps * 2:
+        cost.observe((p, n, s), 0.2 + 0.001 * p + 0.01 * n + 0.02 * s)
+    intercept, coef = cost.coefficients()
+    assert intercept == pytest.approx(0.2, rel=1e-2) and coef == pytest.approx([0.001, 0.01, 0.02], rel=5e-2)
+    cost.observe((0, 1, 0), 60.0)  # the engine sat idle between requests
+    assert cost.predict((0, 1, 0)) == pytest.approx(0.21, rel=1e-2)
     for _ in range(3):  # but steps that really got slower are followed
-        cost.observe(1, 2.0)
-    assert cost.predict(1) > 0.3
+        cost.observe((0, 1, 0), 2.0)
+    assert cost.predict((0, 1, 0)) > 0.3
 
 
-def trained(t0, t1, self_step, lookup_rate, self_rate):
+def test_step_cost_charges_an_always_sampling_workload_to_its_rows():
+    """With every row sampling, rows and sampled rows cannot be told apart; the fit must still
+    price a sampled row right, and not make rows look free."""
+    cost = target_step_cost()
+    for n in [32, 64, 96, 128] * 3:
+        cost.observe((0, n, n), 0.3 + 0.015 * n)
+    intercept, (_, t_row, t_sampled) = cost.coefficients()
+    assert t_row + t_sampled == pytest.approx(0.015, rel=1e-2) and t_row > 0.01
+
+
+def test_step_cost_prompt_tokens_do_not_make_draft_tokens_look_cheap():
+    """A prefill chunk of 4000 tokens costs far less per token than a verified draft token (no
+    logits, one big product). One slope for both priced drafts at the prompt rate."""
+    cost = target_step_cost()
+    for n in [32, 64, 96, 128] * 3:
+        cost.observe((0, n, 0), 0.3 + 0.012 * n)
+    for _ in range(3):
+        cost.observe((4000, 32, 0), 0.3 + 0.002 * 4000 + 0.012 * 32)
+    _, (t_prompt, t_row, _) = cost.coefficients()
+    assert t_prompt == pytest.approx(0.002, rel=1e-2) and t_row == pytest.approx(0.012, rel=1e-2)
+
+
+def test_step_cost_without_spread_assumes_a_token_costs_a_tenth_of_a_step():
+    cost = target_step_cost()
+    for _ in range(10):
+        cost.observe((0, 4, 0), 0.28)
+    _, (_, t_row, _) = cost.coefficients()
+    assert 0.01 < t_row < 0.05 and cost.predict((0, 4, 0)) == pytest.approx(0.28)
+
+
+def trained(t0, t1, self_step, lookup_rate, self_rate, t_sampled=0.0):
     controller = DraftController()
-    for n in [1, 3, 5] * 4:
-        controller.step.observe(n, t0 + t1 * n)
-    controller.observe_self_step(self_step)
+    for n in [1, 3, 5, 8] * 4:
+        controller.observe_step(0, n, 0, t0 + t1 * n)
+        controller.observe_step(0, n, n, t0 + (t1 + t_sampled) * n)
+    controller.observe_self_step(1, self_step)
+    controller.observe_self_step(2, self_step)
     controller.lookup = AcceptanceRate(prior=lookup_rate, decay=1.0)
     controller.self_draft = AcceptanceRate(prior=self_rate, decay=1.0)
     return controller
 
 
+def lookup_rows(*found, sampled=False):
+    return [RowOffer(f"r{i}", lookup=n, sampled=sampled) for i, n in enumerate(found)]
+
+
+def self_rows(count, start=100):
+    return [RowOffer(f"r{start + i}", can_self_draft=True) for i in range(count)]
+
+
 def test_cheap_verification_and_good_drafts_draft_everything():
     controller = trained(t0=0.25, t1=0.01, self_step=0.02, lookup_rate=0.9, self_rate=0.9)
-    assert controller.plan(batch_rows=1, lookup_found=[], num_self_rows=1, self_budget=4).self_length == 4
-    assert controller.plan(batch_rows=1, lookup_found=[3], num_self_rows=0, self_budget=0).lookup_lengths == [3]
+    assert controller.plan(self_rows(1), self_budget=4).self_length == 4
+    assert controller.plan(lookup_rows(3), self_budget=0).lookup_lengths == [3]
 
 
 def test_a_self_draft_step_must_beat_the_rate_lookup_already_reached():
     # 0.05 s per self-draft step: worth a first token at acceptance 0.9, not a second one
     # once the lookup row has made the step productive.
     controller = trained(t0=0.25, t1=0.01, self_step=0.05, lookup_rate=0.9, self_rate=0.9)
-    plan = controller.plan(batch_rows=2, lookup_found=[3], num_self_rows=1, self_budget=4)
-    assert plan.lookup_lengths == [3] and plan.self_length == 1
+    plan = controller.plan(lookup_rows(3) + self_rows(1), self_budget=4)
+    assert plan.lookup_lengths == [3, 0] and plan.self_length == 1
 
 
-def test_self_drafts_that_cost_a_full_step_are_not_made():
-    """The measured case on a 2-core CPU: a draft step costs about a target step."""
-    controller = trained(t0=0.25, t1=0.02, self_step=0.25, lookup_rate=0.8, self_rate=0.8)
-    plan = controller.plan(batch_rows=2, lookup_found=[4], num_self_rows=1, self_budget=4)
-    assert plan.self_length == 0 and plan.lookup_lengths[0] >= 2
+def test_self_drafts_that_cost_a_full_step_are_not_made_nor_retried():
+    """The measured case on a 2-core CPU: a draft step costs about a target step, so even with
+    every draft token accepted a self-draft cannot beat plain decoding; retrying it (and
+    probing new prompts for it) would only cost time."""
+    controller = trained(t0=0.25, t1=0.02, self_step=0.3, lookup_rate=0.8, self_rate=0.8)
+    plans = [controller.plan(lookup_rows(4) + self_rows(1), self_budget=4) for _ in range(300)]
+    assert all(p.self_length == 0 for p in plans) and plans[0].lookup_lengths[0] >= 2
 
 
 def test_expensive_verification_turns_drafting_off():
     """Large batches on CPU: each extra verified token costs nearly as much as a row's token."""
     controller = trained(t0=0.1, t1=0.03, self_step=0.5, lookup_rate=0.5, self_rate=0.5)
-    plan = controller.plan(batch_rows=32, lookup_found=[4] * 16, num_self_rows=16, self_budget=4)
-    assert plan.lookup_lengths == [0] * 16 and plan.self_length == 0
+    plan = controller.plan(lookup_rows(*[4] * 16) + self_rows(16), self_budget=4)
+    assert plan.lookup_lengths == [0] * 32 and plan.self_length == 0
+
+
+def test_sampled_rows_draft_less_when_their_verification_costs_more():
+    controller = trained(t0=0.3, t1=0.004, self_step=0.5, lookup_rate=0.5, self_rate=0.5, t_sampled=0.02)
+    greedy = controller.plan(lookup_rows(4, 4), self_budget=0).lookup_lengths
+    sampled = controller.plan(lookup_rows(4, 4, sampled=True), self_budget=0).lookup_lengths
+    assert sum(sampled) < sum(greedy)
+
+
+def test_lookup_acceptance_is_learned_per_request():
+    controller = trained(t0=0.25, t1=0.03, self_step=0.5, lookup_rate=0.6, self_rate=0.5)
+    for _ in range(30):
+        controller.observe_draft("r0", "lookup", 4, 4)  # copies its context well
+        controller.observe_draft("r1", "lookup", 4, 0)  # does not
+    plan = controller.plan(lookup_rows(4, 4), self_budget=0)
+    assert plan.lookup_lengths[0] == 4 and plan.lookup_lengths[1] == 0
+    controller.forget("r1")
+    assert controller.lookup_rate("r1") == controller.lookup.rate
 
 
 def test_an_unused_source_is_retried_with_back_off():
-    controller = trained(t0=0.25, t1=0.02, self_step=0.25, lookup_rate=0.8, self_rate=0.5)
-    retries = [i for i in range(200) if controller.plan(1, [], 1, 4).explored]
+    # A self-draft step of 0.1 s could pay if its tokens were accepted: it is retried.
+    controller = trained(t0=0.25, t1=0.02, self_step=0.1, lookup_rate=0.8, self_rate=0.2)
+    retries = [i for i in range(200) if controller.plan(self_rows(1), 4).explored]
     assert retries[:3] == [15, 47, 111]  # after 16, then 32, then 64 idle steps
 
 
 def test_before_costs_are_known_only_free_drafts_are_made():
     """Lookup drafts need no forward pass; self-drafts wait until their cost can be judged."""
-    plan = DraftController().plan(batch_rows=3, lookup_found=[2, 4], num_self_rows=1,
-                                             self_budget=3)
-    assert plan.lookup_lengths == [2, 4] and plan.self_length == 0
+    plan = DraftController().plan(lookup_rows(2, 4) + self_rows(1), self_budget=3)
+    assert plan.lookup_lengths == [2, 4, 0] and plan.self_length == 0
 
 
 def test_head_ids_map_draft_columns_back_to_token_ids():

@@ -3,22 +3,31 @@
 Pure arithmetic, no vLLM (unit-tested in tests/test_controller.py). The proposer feeds it what
 it observes and asks it, every step, how long each row's draft should be.
 
-Model. A step that computes n tokens takes T(n) = t0 + t1*n seconds (fitted online to every
-step: a verified draft token costs what a prompt token costs, one more query row). A self-draft step over m rows takes e seconds (measured). A draft token at depth j from
-a source whose tokens are accepted with probability a (prompt lookup or self-draft, each
-measured) is emitted with probability a**j. So a plain step yields B tokens in T(B); each
-added draft token adds a**j expected tokens at the price of t1 (lookup) or t1 + e/m per row
-(self-draft). Adding a token raises tokens/second exactly when its gain/cost ratio beats the
-current tokens/second, so the plan greedily takes the best ratios while they do. With nothing
-worth drafting the plan is plain decoding.
+Model. A step's time is linear in what it computes (fitted online to every step, `StepCost`):
+    T = t0 + t_prompt * prompt tokens + t_row * logit rows + t_sampled * sampled logit rows.
+A logit row is a position whose logits are computed: one per request, plus one per draft token.
+Prompt tokens need no logits and run as one big matrix product, so they are cheaper than a
+verified draft token and get their own coefficient; rows that sample (temperature > 0) pay the
+rejection sampler's softmax over the vocabulary on top. So a draft token in row i costs
+c_i = t_row (+ t_sampled). A self-draft step over m rows takes e(m) seconds (`self_step`,
+measured). A draft token at depth j from a source whose tokens are accepted with probability a
+(prompt lookup per request, self-draft overall, each measured) is emitted with probability a**j.
+A plain step yields B tokens; each added draft token adds a**j expected tokens at the price of
+c_i (lookup) or c_i + e(m)/m per row (self-draft). Adding a token raises tokens/second exactly
+when its gain/cost ratio beats the current tokens/second, so the plan takes the best ratios
+while they do. With nothing worth drafting the plan is plain decoding.
 
 A source that is not used is not measured, so self-drafting, once it stops paying, is retried
-now and then (one draft step, on a back-off schedule) in case the text has changed.
+now and then (one draft step, on a back-off schedule), but only while its measured step cost
+leaves room for it to pay at all (with every token accepted).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -57,59 +66,97 @@ class AcceptanceRate:
 
 
 @dataclass
-class StepCost:
-    """T(n) = t0 + t1 * n, fitted by exponentially weighted least squares."""
+class LinearCost:
+    """seconds = intercept + coefficients . features, by exponentially weighted least squares
+    with non-negative coefficients. Directions the data does not determine (every step with the
+    same number of rows, or every row sampling) are pulled towards a prior by a light ridge:
+    a unit of feature k costs `prior_share[k]` of the mean step; `ridge[k]` is the pull's
+    strength, relative to the feature's variance."""
 
+    prior_share: tuple[float, ...]
+    ridge: tuple[float, ...]
     decay: float = 0.98
     min_samples: int = 8
-    # Before there is spread in n: an extra verified token costs this share of a 1-token step.
-    prior_marginal_share: float = 0.1
-    sums: dict = field(default_factory=lambda: dict(w=0.0, n=0.0, nn=0.0, y=0.0, ny=0.0))
     samples: int = 0
     outliers_in_a_row: int = 0
+    _sums: dict = field(default_factory=dict)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, features, seconds: float) -> None:
+        x = np.asarray(features, dtype=np.float64)
         # A lone outlier is an idle gap between requests, not a step; a run of them means the
         # costs changed (say, a much bigger batch) and the fit must follow.
-        if self.samples >= self.min_samples and seconds > 4 * self.predict(num_tokens):
+        if self.ready and seconds > 4 * self.predict(x):
             self.outliers_in_a_row += 1
             if self.outliers_in_a_row < 3:
                 return
         self.outliers_in_a_row = 0
-        s = self.sums
+        s = self._sums or dict(w=0.0, x=np.zeros_like(x), xx=np.zeros((len(x), len(x))), y=0.0, xy=np.zeros_like(x))
         for key in s:
-            s[key] *= self.decay
+            s[key] = s[key] * self.decay
         s["w"] += 1
-        s["n"] += num_tokens
-        s["nn"] += num_tokens * num_tokens
+        s["x"] = s["x"] + x
+        s["xx"] = s["xx"] + np.outer(x, x)
         s["y"] += seconds
-        s["ny"] += num_tokens * seconds
+        s["xy"] = s["xy"] + x * seconds
+        self._sums = s
         self.samples += 1
 
-    def coefficients(self) -> tuple[float, float]:
-        s = self.sums
-        if s["w"] == 0:
-            return 0.0, 0.0
-        mean_n, mean_y = s["n"] / s["w"], s["y"] / s["w"]
-        var = s["nn"] / s["w"] - mean_n**2
-        if var > 0.25:
-            t1 = max((s["ny"] / s["w"] - mean_n * mean_y) / var, 0.0)
-        else:  # no spread yet: assume verification is cheap relative to a step
-            t1 = self.prior_marginal_share * mean_y / (1 + self.prior_marginal_share * mean_n)
-        return max(mean_y - t1 * mean_n, 0.0), t1
+    def coefficients(self) -> tuple[float, np.ndarray]:
+        if not self._sums:
+            return 0.0, np.zeros(len(self.prior_share))
+        s = self._sums
+        mean_x, mean_y = s["x"] / s["w"], s["y"] / s["w"]
+        cov = s["xx"] / s["w"] - np.outer(mean_x, mean_x)
+        cross = s["xy"] / s["w"] - mean_x * mean_y
+        share = np.asarray(self.prior_share)
+        prior = share * mean_y / (1 + share @ mean_x)
+        strength = np.asarray(self.ridge) * (np.diag(cov) + 1e-6 * (mean_x**2 + 1))
+        free = np.ones(len(mean_x), dtype=bool)
+        coef = np.zeros(len(mean_x))
+        for _ in range(len(mean_x)):  # drop negative coefficients one at a time, refit the rest
+            sub = np.ix_(free, free)
+            coef[:] = 0
+            coef[free] = np.linalg.solve(cov[sub] + np.diag(strength[free]),
+                                         cross[free] + strength[free] * prior[free])
+            if (coef >= 0).all():
+                break
+            free &= coef > 0
+        return max(mean_y - float(mean_x @ coef), 0.0), coef
 
-    def predict(self, num_tokens: int) -> float:
-        t0, t1 = self.coefficients()
-        return t0 + t1 * num_tokens
+    def predict(self, features) -> float:
+        intercept, coef = self.coefficients()
+        return intercept + float(np.asarray(features, dtype=np.float64) @ coef)
 
     @property
     def ready(self) -> bool:
         return self.samples >= self.min_samples
 
 
+def target_step_cost() -> LinearCost:
+    """A target step: features (prompt tokens, logit rows, sampled logit rows). Sampling is
+    assumed free until seen to cost, and pulled hardest to that: a workload that always samples
+    charges its cost to every row (the safe side), not to a greedy row it never saw."""
+    return LinearCost(prior_share=(0.1, 0.1, 0.0), ridge=(1e-4, 1e-4, 1e-2))
+
+
+def self_step_cost() -> LinearCost:
+    """A self-draft step: feature (rows drafting). Rare, so weighted to follow recent ones."""
+    return LinearCost(prior_share=(0.1,), ridge=(1e-3,), decay=0.9, min_samples=1)
+
+
+@dataclass
+class RowOffer:
+    """What one row of the batch can draft this step."""
+
+    req_id: str = ""
+    lookup: int = 0  # tokens offered by prompt lookup
+    can_self_draft: bool = False  # no lookup match, but budget left: may draft with the model
+    sampled: bool = False  # temperature > 0: verifying its drafts costs a softmax each
+
+
 @dataclass
 class DraftPlan:
-    lookup_lengths: list[int]  # per lookup row
+    lookup_lengths: list[int]  # per offer (0 for rows that do not take a lookup draft)
     self_length: int  # draft steps for the self-draft rows
     explored: bool = False
 
@@ -118,58 +165,80 @@ class DraftPlan:
 class DraftController:
     lookup: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(prior=0.6))
     self_draft: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(prior=0.7))
-    step: StepCost = field(default_factory=StepCost)
-    self_step_seconds: Decayed = field(default_factory=lambda: Decayed(0.9))
-    self_step_weight: Decayed = field(default_factory=lambda: Decayed(0.9))
+    step: LinearCost = field(default_factory=target_step_cost)
+    self_step: LinearCost = field(default_factory=self_step_cost)
     explore_after: int = 16  # steps without self-drafting before a retry; doubles, up to 1024
     _idle_steps: int = 0
+    # Lookup acceptance per request (prior: the overall rate): code and prose differ a lot.
+    _lookup_by_request: dict[str, AcceptanceRate] = field(default_factory=dict)
 
-    def observe_self_step(self, seconds: float) -> None:
-        self.self_step_seconds.add(seconds)
-        self.self_step_weight.add(1.0)
+    # ---- what happened -----------------------------------------------------------------
+    def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float) -> None:
+        self.step.observe((prompt_tokens, logit_rows, sampled_rows), seconds)
 
-    @property
-    def self_step_cost(self) -> float:
-        w = self.self_step_weight.value
-        # Unmeasured: assume a draft step costs a target step (the pessimistic case on CPU).
-        return self.self_step_seconds.value / w if w else self.step.predict(1)
+    def observe_self_step(self, rows: int, seconds: float) -> None:
+        self.self_step.observe((rows,), seconds)
 
-    def plan(self, batch_rows: int, lookup_found: list[int], num_self_rows: int,
-             self_budget: int) -> DraftPlan:
-        """Draft lengths for one step: `lookup_found[i]` tokens are available from prompt lookup
-        for each lookup row; `num_self_rows` rows could self-draft up to `self_budget` tokens."""
+    def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int) -> None:
+        if source == "lookup":
+            self.lookup.observe(drafted, accepted)
+            if req_id not in self._lookup_by_request:
+                self._lookup_by_request[req_id] = AcceptanceRate(prior=self.lookup.rate, decay=0.95)
+            self._lookup_by_request[req_id].observe(drafted, accepted)
+        else:
+            self.self_draft.observe(drafted, accepted)
+
+    def forget(self, req_id: str) -> None:
+        self._lookup_by_request.pop(req_id, None)
+
+    def lookup_rate(self, req_id: str) -> float:
+        rate = self._lookup_by_request.get(req_id)
+        return rate.rate if rate else self.lookup.rate
+
+    # ---- what to do ---------------------------------------------------------------------
+    def plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
+        """Draft lengths for one step over these rows (every row that sampled a token)."""
+        lookup_lengths = [0] * len(offers)
+        self_rows = [i for i, o in enumerate(offers) if o.can_self_draft]
         if not self.step.ready:  # learn the step cost first, with the drafts that cost nothing
-            return DraftPlan(list(lookup_found), 0)
-        t0, t1 = self.step.coefficients()
-        tokens, seconds = float(batch_rows), t0 + t1 * batch_rows
-        a_lookup, a_self = self.lookup.rate, self.self_draft.rate
-        lookup_lengths = [0] * len(lookup_found)
+            return DraftPlan([o.lookup for o in offers], 0)
+        _, (_, t_row, t_sampled) = self.step.coefficients()
+        cost = [max(t_row + t_sampled * o.sampled, 1e-9) for o in offers]
+        tokens, seconds = float(len(offers)), self.step.predict((0, len(offers), sum(o.sampled for o in offers)))
+        # Candidates, best gain/cost first: (-ratio, kind, row, depth). Within a source the
+        # ratio falls with depth, so a row's next token is queued only once its last is taken.
+        candidates = []
+        for i, offer in enumerate(offers):
+            if offer.lookup:
+                a = self.lookup_rate(offer.req_id)
+                candidates.append((-a / cost[i], "lookup", i, 1))
+        m = len(self_rows)
+        a_self = self.self_draft.rate
+        self_token_cost = sum(cost[i] for i in self_rows) + self.self_step.predict((m,)) if m else 0.0
+        if m and self.self_step.samples and self_budget:
+            candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
+        heapq.heapify(candidates)
         self_length = 0
-        while True:
-            best, best_ratio = None, tokens / seconds
-            for i, found in enumerate(lookup_found):
-                j = lookup_lengths[i] + 1
-                if j <= found and a_lookup**j / max(t1, 1e-9) > best_ratio:
-                    best, best_ratio = ("lookup", i), a_lookup**j / max(t1, 1e-9)
-            if num_self_rows and self_length < self_budget:
-                j = self_length + 1
-                gain = num_self_rows * a_self**j
-                ratio = gain / (num_self_rows * t1 + self.self_step_cost)
-                if ratio > best_ratio:
-                    best, best_ratio = ("self", 0), ratio
-            if best is None:
-                break
-            if best[0] == "lookup":
-                lookup_lengths[best[1]] += 1
-                tokens, seconds = tokens + a_lookup**lookup_lengths[best[1]], seconds + t1
+        while candidates and -candidates[0][0] > tokens / seconds:
+            _, kind, i, depth = heapq.heappop(candidates)
+            if kind == "lookup":
+                a = self.lookup_rate(offers[i].req_id)
+                lookup_lengths[i] = depth
+                tokens, seconds = tokens + a**depth, seconds + cost[i]
+                if depth < offers[i].lookup:
+                    heapq.heappush(candidates, (-a ** (depth + 1) / cost[i], "lookup", i, depth + 1))
             else:
-                self_length += 1
-                tokens += num_self_rows * a_self**self_length
-                seconds += num_self_rows * t1 + self.self_step_cost
+                self_length = depth
+                tokens, seconds = tokens + m * a_self**depth, seconds + self_token_cost
+                if depth < self_budget:
+                    heapq.heappush(candidates, (-m * a_self ** (depth + 1) / self_token_cost, "self", -1, depth + 1))
         explored = False
-        if num_self_rows and self_length == 0:
+        if m and self_length == 0 and self_budget:
             self._idle_steps += 1
-            if self._idle_steps >= self.explore_after:  # retry one draft step, back off if it fails
+            # Worth a retry only if the measured step cost leaves room: with every token
+            # accepted, would a self-draft beat the current rate? (Unmeasured: find out.)
+            could_pay = not self.self_step.samples or m / self_token_cost > tokens / seconds
+            if self._idle_steps >= self.explore_after and could_pay:  # one draft step; back off
                 self_length, explored, self._idle_steps = 1, True, 0
                 self.explore_after = min(2 * self.explore_after, 1024)
         elif self_length > 0:

@@ -34,10 +34,12 @@ import numpy as np
 import torch
 
 from vllm_selfspec.admg import SkipMask, select_skip_mask
-from vllm_selfspec.controller import DraftController, DraftPlan
+from vllm_selfspec.controller import DraftController, DraftPlan, RowOffer
 from vllm_selfspec.layers import HeadIds, ResidualStream, draft_logits, similarity_sums
 from vllm_selfspec.lookup import prompt_lookup
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
+
+_SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature is greedy
 
 # A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
 logger = logging.getLogger("vllm.selfspec")
@@ -100,25 +102,28 @@ class SelfAdmgProposer:
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
                            common_attn_metadata) -> list[list[int]]:
         batch = runner.input_batch
-        self._learn(scheduler_output, sampled_token_ids, batch.req_ids)
-        # Rows that sampled a token this step and still have tokens to generate after the next
-        # one (a draft for a request that is about to hit max_tokens would be thrown away).
+        self._learn(runner, scheduler_output, sampled_token_ids, batch.req_ids)
+        # Rows that sampled a token this step, with how many draft tokens each can still use
+        # (a draft for a request that is about to hit max_tokens would be thrown away).
         budgets = {i: self._draft_budget(runner.requests[batch.req_ids[i]])
                    for i, tokens in enumerate(sampled_token_ids) if tokens}
-        rows = [i for i, budget in budgets.items() if budget > 0]
         found = {}
         if self.options.lookup_ngram:
-            for i in rows:
-                context = batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
-                tokens = prompt_lookup(context, self.options.lookup_ngram, budgets[i])
-                if len(tokens):
-                    found[i] = tokens
-        lookup_rows = list(found)
-        self_rows = [i for i in rows if i not in found]
-        plan = self._plan(len(budgets), [len(found[i]) for i in lookup_rows], self_rows, budgets)
+            for i, budget in budgets.items():
+                if budget:
+                    context = batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
+                    tokens = prompt_lookup(context, self.options.lookup_ngram, budget)
+                    if len(tokens):
+                        found[i] = tokens
+        rows = list(budgets)
+        offers = [RowOffer(batch.req_ids[i], len(found.get(i, ())), budgets[i] > 0 and i not in found,
+                           self._samples(runner, batch.req_ids[i])) for i in rows]
+        self_rows = [i for i, offer in zip(rows, offers) if offer.can_self_draft]
+        plan = self._plan(offers, max((budgets[i] for i in self_rows), default=0))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for i, length in zip(lookup_rows, plan.lookup_lengths):
-            drafts[i] = [int(t) for t in found[i][:length]]
+        for i, length in zip(rows, plan.lookup_lengths):
+            if length:
+                drafts[i] = [int(t) for t in found[i][:length]]
         if plan.self_length:
             if plan.explored:  # a retry: rows that have a mask, or one new row (one probe)
                 self_rows = [i for i in self_rows if batch.req_ids[i] in self.masks] or self_rows[:1]
@@ -129,33 +134,43 @@ class SelfAdmgProposer:
             self._draft(runner, self_rows, self_budgets, common_attn_metadata, drafts)
         self._drafted = {batch.req_ids[i]: ("lookup" if i in found else "self", len(drafts[i]))
                          for i in rows if drafts[i]}
-        self.counters.lookup_tokens += sum(len(drafts[i]) for i in lookup_rows)
+        self.counters.lookup_tokens += sum(len(drafts[i]) for i in found)
         self._step_end = time.perf_counter()
         return drafts
 
-    def _learn(self, scheduler_output, sampled_token_ids, req_ids) -> None:
-        """Feed the controller the step that just ran: its time against the tokens it
-        computed (prompt chunks included: under load few steps are decode-only), and what
-        became of last step's drafts."""
+    def _learn(self, runner, scheduler_output, sampled_token_ids, req_ids) -> None:
+        """Feed the controller the step that just ran: its time against what it computed
+        (prompt chunks included: under load few steps are decode-only), and what became of
+        last step's drafts."""
         now = time.perf_counter()
         if self._step_end is not None and scheduler_output.total_num_scheduled_tokens:
-            self.controller.step.observe(scheduler_output.total_num_scheduled_tokens, now - self._step_end)
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            rows = {r: 1 + len(spec.get(r, ())) for r in scheduler_output.num_scheduled_tokens}
+            logit_rows = sum(rows.values())
+            sampled_rows = sum(n for r, n in rows.items() if self._samples(runner, r))
+            prompt_tokens = max(scheduler_output.total_num_scheduled_tokens - logit_rows, 0)
+            self.controller.observe_step(prompt_tokens, logit_rows, sampled_rows, now - self._step_end)
         self._step_end = None
         for i, tokens in enumerate(sampled_token_ids):
             drafted = self._drafted.get(req_ids[i]) if tokens else None
             if drafted:
                 source, length = drafted
-                getattr(self.controller, "lookup" if source == "lookup" else "self_draft").observe(
-                    length, len(tokens) - 1)
+                self.controller.observe_draft(req_ids[i], source, length, len(tokens) - 1)
         self._drafted = {}
 
-    def _plan(self, batch_rows: int, lookup_found: list[int], self_rows: list[int], budgets) -> DraftPlan:
+    @staticmethod
+    def _samples(runner, req_id: str) -> bool:
+        """Whether a request samples (temperature > 0) rather than taking the argmax."""
+        request = runner.requests.get(req_id)
+        params = request.sampling_params if request is not None else None
+        return bool(params is not None and params.temperature >= _SAMPLING_EPS)
+
+    def _plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
         """How much of each kind of draft pays this step (everything offered, if not adaptive).
         Timing differs between tensor-parallel ranks, so rank 0's plan is the one used."""
-        self_budget = max((budgets[i] for i in self_rows), default=0)
         if not self.options.adaptive:
-            return DraftPlan(list(lookup_found), self_budget)
-        plan = self.controller.plan(batch_rows, lookup_found, len(self_rows), self_budget)
+            return DraftPlan([o.lookup for o in offers], self_budget)
+        plan = self.controller.plan(offers, self_budget)
         shared = same_on_all_ranks(torch.tensor(
             [plan.self_length, plan.explored, *plan.lookup_lengths], device=self._device)).tolist()
         return DraftPlan(shared[2:], shared[0], bool(shared[1]))
@@ -172,6 +187,7 @@ class SelfAdmgProposer:
     def forget(self, req_id: str) -> None:
         """The runner dropped this request (finished or aborted): drop its mask too."""
         self.masks.pop(req_id, None)
+        self.controller.forget(req_id)
 
     # ---- statistics: one probe pass over each new prompt ----------------------------------
     def _measure_prompts(self, runner, rows: list[int], cam) -> None:
@@ -250,7 +266,7 @@ class SelfAdmgProposer:
             tokens[active] = next_tokens
             active = active[confident & (budgets[active] > step + 1)]
             self.counters.draft_steps += 1
-            self.controller.observe_self_step(time.perf_counter() - step_start)
+            self.controller.observe_self_step(len(active_rows), time.perf_counter() - step_start)
             if len(active) == 0:
                 break
         self.counters.draft_calls += 1
