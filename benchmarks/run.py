@@ -81,6 +81,7 @@ def ablation_configs() -> dict[str, dict]:
     base = {"method": "self-admg", "num_speculative_tokens": K}
     self_only = {**base, "lookup_ngram": 0, "adaptive": False}
     variants = {
+        "self-drafts only": self_only,
         "prompt lookup off": {**base, "lookup_ngram": 0},
         "adaptive off": {**base, "adaptive": False},
         "full draft vocabulary": {**self_only, "draft_vocab": 0},
@@ -383,6 +384,8 @@ def parse_args(argv=None):
     parser.add_argument("--prompts", type=int, help="prompts per cell at batch 1 (at least B)")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--only-ablations", nargs="+", metavar="TEXT",
+                        help="run only the ablations whose name contains one of these texts")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run engines eagerly (default: vLLM's compiled engine)")
     parser.add_argument("--kv-cache-gb", type=int, default=2)
@@ -427,7 +430,9 @@ def main(argv=None) -> Path:
                                         "temperatures": [0.0]})
         ab_cells = [c for c in cells if c.method == "plain" and c.workload == "humaneval"
                     and c.batch == 1 and c.temperature == 0.0]
-        for name, spec in ablation_configs().items():
+        variants = {name: spec for name, spec in ablation_configs().items()
+                    if not args.only_ablations or any(text in name for text in args.only_ablations)}
+        for name, spec in variants.items():
             run_engine(f"ablation: {name}", spec, model, ab_args, prompts, ab_cells)
             ablation_rows = [r for r in summarize(ab_cells) if r["method"].startswith("ablation")]
             write_results(out, args, rows, ablation_rows, cells, final=False)
