@@ -193,7 +193,25 @@ def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_
     return cell
 
 
-def run_engine(name, spec, model, args, prompts_by_workload, cells: list[Cell]) -> None:
+def assign_prompts(prompts_by_workload: dict[str, list[str]], args) -> tuple[dict, str]:
+    """Fresh prompts for every cell, and a warm-up prompt no cell uses. A method that keeps
+    earlier outputs (vLLM's `suffix` caches every response) would otherwise copy its own answer
+    to the same prompt from an earlier cell, which no real workload offers."""
+    cell_prompts, warmup = {}, None
+    for workload in args.workloads:
+        prompts, start = prompts_by_workload[workload], 0
+        for batch in args.batch_sizes:
+            for temperature in args.temperatures:
+                count = max(batch, args.prompts)
+                cell_prompts[workload, batch, temperature] = prompts[start:start + count]
+                start += count
+        if start >= len(prompts):
+            raise SystemExit(f"{workload} has {len(prompts)} prompts; these cells need {start + 1}")
+        warmup = warmup or prompts[start]
+    return cell_prompts, warmup
+
+
+def run_engine(name, spec, model, args, prompts: tuple[dict, str], cells: list[Cell]) -> None:
     from vllm import LLM
 
     print(f"\n### {name}", flush=True)
@@ -211,14 +229,14 @@ def run_engine(name, spec, model, args, prompts_by_workload, cells: list[Cell]) 
             cells.append(Cell(name, "-", 0, 0.0, 0, 0.0, 0, {"error": reason}, []))
             return
         is_admg = bool(spec) and spec.get("method") == "self-admg"
-        llm.generate(prompts_by_workload[args.workloads[0]][:1], use_tqdm=False)  # warm-up
+        cell_prompts, warmup = prompts
+        llm.generate([warmup], use_tqdm=False)
         mine = []
         for workload in args.workloads:
             for batch in args.batch_sizes:
-                prompts = prompts_by_workload[workload][:max(batch, args.prompts)]
                 for temperature in args.temperatures:
-                    cell = run_cell(llm, name, workload, prompts, batch, temperature,
-                                    args.max_tokens, is_admg)
+                    cell = run_cell(llm, name, workload, cell_prompts[workload, batch, temperature],
+                                    batch, temperature, args.max_tokens, is_admg)
                     print(f"  {workload:9} B={batch:<3} T={temperature:<3} "
                           f"{cell.output_tokens / cell.seconds:7.1f} tok/s", flush=True)
                     mine.append(cell)
@@ -413,8 +431,7 @@ def main(argv=None) -> Path:
     out = args.out or RESULTS_DIR / dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model, draft = resolve_model(args.model), resolve_model(args.draft_model)
-    prompts = {w: assets.load_prompts(w, limit=max(max(args.batch_sizes), args.prompts))
-               for w in args.workloads}
+    prompts = assign_prompts({w: assets.load_prompts(w) for w in args.workloads}, args)
     methods = method_configs(draft)
     if args.methods:
         methods = {k: v for k, v in methods.items() if k == "plain" or k in args.methods}
@@ -455,7 +472,7 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
         writer.writeheader()
         writer.writerows(rows + ablation_rows)
     header = (f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
-              f"tokens per request, K={K}; {env['cpus']} CPUs ({env['machine']}), vLLM {env['vllm']}, "
+              f"tokens per request, fresh prompts in every cell, K={K}; {env['cpus']} CPUs ({env['machine']}), vLLM {env['vllm']}, "
               f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
               f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
               f"Command: `{' '.join(['python', *sys.argv])}`\n")
