@@ -83,6 +83,7 @@ def ablation_configs() -> dict[str, dict]:
     variants = {
         "self-drafts only": self_only,
         "prompt lookup off": {**base, "lookup_ngram": 0},
+        "history lookup off": {**base, "lookup_history": 0},
         "adaptive off": {**base, "adaptive": False},
         "full draft vocabulary": {**self_only, "draft_vocab": 0},
     }

@@ -1,11 +1,11 @@
 """Load test of `vllm serve`: the same requests against a plain server and a self-admg server,
 one server at a time, side by side in one run.
 
-    .venv/bin/python benchmarks/serve_load.py                        # SmolLM2-135M, 500 requests
+    .venv/bin/python benchmarks/serve_load.py                        # SmolLM2-135M, 480 requests
     .venv/bin/python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests 200
 
 Each server is started with the plain `vllm` command, warmed up, then sent `--requests`
-completions from `--concurrency` concurrent clients (the official openai client) under a hard
+completions, each with a prompt of its own (HumanEval and news alternating), from `--concurrency` concurrent clients (the official openai client) under a hard
 `--time-limit`. Reported per server: failed requests, requests/s, output tokens/s, p50/p99
 latency, resident memory of the server's processes after warm-up and at the end, acceptance
 from vLLM's `vllm:spec_decode_*` counters on /metrics, and /health afterwards. Writes
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import itertools
 import json
 import os
 import signal
@@ -220,8 +221,8 @@ def summarize(name: str, load: LoadResult, rss_after_warmup: int, rss_end: int,
     }
 
 
-def load_one_server(server: VllmServer, name: str, prompts, args) -> tuple[dict, LoadResult]:
-    warmup = asyncio.run(run_load(server, prompts, args.warmup, args.concurrency, args.max_tokens,
+def load_one_server(server: VllmServer, name: str, prompts, args, warmup_prompts=None) -> tuple[dict, LoadResult]:
+    warmup = asyncio.run(run_load(server, warmup_prompts or prompts, args.warmup, args.concurrency, args.max_tokens,
                                   time_limit=args.time_limit, progress=False))
     if warmup.failures:
         raise RuntimeError(f"{name}: warm-up requests failed: {warmup.failures[:3]}")
@@ -261,8 +262,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="an asset name or a model directory")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--workload", choices=["humaneval", "news"], default="humaneval")
-    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--workload", choices=["mixed", "humaneval", "news"], default="mixed",
+                        help="mixed: HumanEval and news prompts alternating (514 prompts)")
+    parser.add_argument("--requests", type=int, default=480)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=32,
                         help="requests before measuring (a plain server's memory settles over ~500)")
@@ -282,14 +284,21 @@ def main(argv=None) -> Path:
     out = args.out or RESULTS_DIR / dt.datetime.now().strftime("serve-%Y-%m-%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model = assets.model_path(args.model) if args.model in assets.ASSETS else args.model
-    prompts = assets.load_prompts(args.workload, limit=64)
+    # Every request gets a prompt of its own: a server that drafts from earlier answers (vLLM's
+    # suffix method, self-admg's history lookup) would otherwise copy its answer to a repeat.
+    names = ["humaneval", "news"] if args.workload == "mixed" else [args.workload]
+    prompts = [p for group in itertools.zip_longest(*map(assets.load_prompts, names)) for p in group if p]
+    if args.warmup + args.requests > len(prompts):
+        raise SystemExit(f"--warmup {args.warmup} + --requests {args.requests} needs that many distinct "
+                         f"prompts; {args.workload} has {len(prompts)}")
+    warmup_prompts, prompts = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
     common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
               "--kv-cache-memory-bytes", str(args.kv_cache_gb << 30), "--served-model-name", str(model)]
     servers = {"plain": common, "self-admg": [*common, "--speculative-config", args.speculative_config]}
     rows, loads = [], {}
     for name, server_args in servers.items():
         with VllmServer(model, *server_args, log_path=out / f"{name}.log") as server:
-            row, loads[name] = load_one_server(server, name, prompts, args)
+            row, loads[name] = load_one_server(server, name, prompts, args, warmup_prompts)
         rows.append(row)
         print(json.dumps(row), flush=True)
     plain_rps = rows[0]["requests_per_s"]

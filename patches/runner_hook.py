@@ -40,7 +40,7 @@ def install() -> None:
 
         original_removed(self, req_id, req_state)
         if isinstance(getattr(self, "drafter", None), SelfAdmgProposer):
-            self.drafter.forget(req_id)
+            self.drafter.forget(req_id, req_state)
 
     propose_draft_token_ids._self_admg = True
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

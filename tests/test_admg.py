@@ -93,6 +93,7 @@ def test_mlp_threshold_is_separate():
     ({"keep_edge_layers": -1}, "'keep_edge_layers' must be in [0, 1000000]"),
     ({"fill_gaps": 1.5}, "'fill_gaps' must be an integer"),
     ({"draft_exit_threshold": 1.2}, "'draft_exit_threshold' must be in [0.0, 1.0]"),
+    ({"lookup_history": -5}, "'lookup_history' must be in [0, 100000000]"),
 ])
 def test_bad_options_name_the_option_and_the_allowed_values(raw, fragment):
     with pytest.raises(SelfAdmgConfigError) as err:
@@ -166,3 +167,23 @@ def test_skip_budget_keeps_edge_layers_and_the_skip_kind():
     assert mask.attention == (False, True, True, True, False) and not any(mask.mlp)
     with pytest.raises(ValueError, match="weight bytes"):
         select_skip_mask([0.99] * 5, [0.99] * 5, opts)
+
+
+def test_weight_bytes_counts_repacked_linear_layers_by_their_shape():
+    """vLLM's CPU backend repacks linear weights and leaves an empty `weight` behind; a byte
+    budget computed from parameters would then divide by zero (seen on Qwen in bfloat16)."""
+    import torch
+
+    from vllm_selfspec.layers import weight_bytes
+
+    class RepackedLinear(torch.nn.Module):  # the attributes vLLM's LinearBase keeps
+        def __init__(self, rows, cols):
+            super().__init__()
+            self.output_size_per_partition, self.input_size_per_partition = rows, cols
+            self.params_dtype = torch.bfloat16
+            self.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+            self.bias = torch.nn.Parameter(torch.zeros(rows), requires_grad=False)
+
+    mlp = torch.nn.Sequential(RepackedLinear(6, 4), RepackedLinear(4, 3), torch.nn.LayerNorm(4))
+    assert weight_bytes(mlp) == (6 * 4 + 4 * 3) * 2 + (6 + 4) * 4 + 2 * 4 * 4  # weights, biases, norm
+    assert weight_bytes(torch.nn.Linear(4, 3, bias=False)) == 4 * 3 * 4  # plain modules: parameters

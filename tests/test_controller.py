@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_selfspec.controller import AcceptanceRate, DraftController, RowOffer, target_step_cost
-from vllm_selfspec.lookup import prompt_lookup
+from vllm_selfspec.lookup import OutputHistory, prompt_lookup
 
 
 def test_prompt_lookup_takes_the_longest_most_recent_match():
@@ -24,6 +24,28 @@ def test_prompt_lookup_without_a_match_or_context():
     assert prompt_lookup(np.array([5]), 4, 3).tolist() == []
     # The continuation may run up to the context's end, never past it.
     assert prompt_lookup(np.array([1, 2, 1, 2]), 4, 5).tolist() == [1, 2]
+
+
+def test_output_history_continues_the_longest_most_recent_match():
+    history = OutputHistory(max_ngram=3, max_entries=1000, continuation=4)
+    # Prompt 1 2, output 3 4 5 6 7: n-grams ending at an output token, reaching into the prompt.
+    history.add(np.array([1, 2, 3, 4, 5, 6, 7]), output_start=2)
+    assert history.lookup(np.array([9, 9, 1, 2]), max_tokens=3).tolist() == [3, 4, 5]
+    assert history.lookup(np.array([8, 4, 5]), max_tokens=8).tolist() == [6, 7]
+    assert history.lookup(np.array([5, 6, 7]), max_tokens=3).tolist() == []  # nothing followed
+    assert history.lookup(np.array([9, 1]), max_tokens=3).tolist() == []  # never ended an output n-gram
+    history.add(np.array([0, 4, 5, 0, 0]), output_start=1)  # more recent: "4 5" is now followed by 0
+    assert history.lookup(np.array([8, 4, 5]), max_tokens=2).tolist() == [0, 0]
+    assert history.lookup(np.array([3, 4, 5]), max_tokens=2).tolist() == [6, 7]  # the longer match wins
+
+
+def test_output_history_keeps_at_most_max_entries():
+    history = OutputHistory(max_ngram=2, max_entries=10)
+    for start in range(0, 1000, 10):
+        history.add(np.arange(start, start + 10), output_start=0)
+    assert len(history) == 10
+    assert history.lookup(np.array([997, 998]), 2).tolist() == [999]  # the newest survive
+    assert history.lookup(np.array([7, 8]), 2).tolist() == []
 
 
 def test_acceptance_rate_counts_trials_up_to_the_first_rejection():
@@ -91,8 +113,9 @@ def trained(t0, t1, self_step, lookup_rate, self_rate, t_sampled=0.0):
     for n in [1, 3, 5, 8] * 4:
         controller.observe_step(0, n, 0, t0 + t1 * n)
         controller.observe_step(0, n, n, t0 + (t1 + t_sampled) * n)
-    controller.observe_self_step(1, self_step)
-    controller.observe_self_step(2, self_step)
+    for rows in (1, 2):
+        controller.observe_self_step(rows, 10 * self_step)  # the first at a shape: set-up, ignored
+        controller.observe_self_step(rows, self_step)
     controller.lookup = AcceptanceRate(prior=lookup_rate, decay=1.0)
     controller.self_draft = AcceptanceRate(prior=self_rate, decay=1.0)
     return controller

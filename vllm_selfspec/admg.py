@@ -92,6 +92,8 @@ def budget_rule(attention_similarity: Sequence[float], mlp_similarity: Sequence[
     over bytes), until `budget` of all the sublayers' bytes is saved: a fractional knapsack.
     A fixed threshold means a different draft cost on every model (similarities are inflated
     by a few huge residual dimensions, by different amounts); a byte budget does not."""
+    if attention_bytes <= 0 or mlp_bytes <= 0:
+        raise ValueError(f"sublayer weight bytes must be positive, got {attention_bytes}, {mlp_bytes}")
     n = len(attention_similarity)
     candidates = [((1 - float(attention_similarity[i])) / attention_bytes, "attention", i, attention_bytes)
                   for i in range(n) if skippable_attention[i]]

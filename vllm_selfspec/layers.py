@@ -96,8 +96,19 @@ class HeadIds:
 
 
 def weight_bytes(module: nn.Module) -> float:
-    """Bytes of a module's parameters: what a forward pass through it reads."""
-    return float(sum(p.numel() * p.element_size() for p in module.parameters()))
+    """Bytes of a module's weights: what a forward pass through it reads. vLLM's CPU backend
+    repacks linear weights for its kernels and leaves empty parameters behind, so its linear
+    layers are counted from their shapes (this rank's partition)."""
+    total = 0
+    for sub in module.modules():
+        rows, cols = getattr(sub, "output_size_per_partition", 0), getattr(sub, "input_size_per_partition", 0)
+        params = list(sub.parameters(recurse=False))
+        if rows and cols:
+            itemsize = torch.empty((), dtype=getattr(sub, "params_dtype", torch.float32)).element_size()
+            total += rows * cols * itemsize
+            params = [p for name, p in sub.named_parameters(recurse=False) if name != "weight"]
+        total += sum(p.numel() * p.element_size() for p in params)
+    return float(total)
 
 
 def cosine_rows(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

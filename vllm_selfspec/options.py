@@ -95,6 +95,11 @@ class SelfAdmgOptions:
                           "occurred before, and with the model itself otherwise (0 = self-drafts "
                           "only)"},
     )
+    lookup_history: int = field(
+        default=65536,
+        metadata={"help": "when a row's own context has no match, look its last n-gram up in "
+                          "the outputs of earlier requests; keep up to N n-grams (0 = off)"},
+    )
     adaptive: bool = field(
         default=True,
         metadata={"help": "draft only as many tokens as measured step costs and acceptance say "
@@ -160,6 +165,8 @@ def make_options(raw: dict[str, Any]) -> SelfAdmgOptions:
     for name in ("keep_edge_layers", "fill_gaps", "stats_window", "draft_vocab"):
         if name in values:
             values[name] = _number(name, values[name], int, 0, 1_000_000)
+    if "lookup_history" in values:
+        values["lookup_history"] = _number("lookup_history", values["lookup_history"], int, 0, 100_000_000)
     if "lookup_ngram" in values:
         values["lookup_ngram"] = _number("lookup_ngram", values["lookup_ngram"], int, 0, 32)
         if values["lookup_ngram"] == 1:

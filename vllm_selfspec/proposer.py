@@ -36,7 +36,7 @@ import torch
 from vllm_selfspec.admg import SkipMask, select_skip_mask
 from vllm_selfspec.controller import DraftController, DraftPlan, RowOffer
 from vllm_selfspec.layers import HeadIds, ResidualStream, draft_logits, similarity_sums
-from vllm_selfspec.lookup import prompt_lookup
+from vllm_selfspec.lookup import OutputHistory, prompt_lookup
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 
 _SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature is greedy
@@ -56,10 +56,14 @@ class ProposerCounters:
     draft_steps: int = 0
     draft_tokens: int = 0
     draft_seconds: float = 0.0
-    lookup_tokens: int = 0
+    lookup_tokens: int = 0  # from prompt lookup, own context or history
+    history_tokens: int = 0  # of which from earlier requests' outputs
     # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
     # MLP similarity, mask). Bounded, so a long-running server does not grow it.
     measurements: deque = field(default_factory=lambda: deque(maxlen=4096))
+    # The last steps as the controller saw them: (prompt tokens, logit rows, sampled logit
+    # rows, draft tokens, seconds), to check its cost model against (benchmarks/step_costs.py).
+    steps: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
 def prompt_key(prompt_token_ids) -> str:
@@ -82,6 +86,8 @@ class SelfAdmgProposer:
         self._stream: ResidualStream | None = None
         self._head_rows: torch.Tensor | None = None
         self._drafted: dict[str, tuple[str, int]] = {}  # last step's drafts: source, length
+        self._history = (OutputHistory(self.options.lookup_ngram, self.options.lookup_history)
+                         if self.options.lookup_ngram and self.options.lookup_history else None)
         self._step_end: float | None = None
 
     # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
@@ -107,23 +113,26 @@ class SelfAdmgProposer:
         # (a draft for a request that is about to hit max_tokens would be thrown away).
         budgets = {i: self._draft_budget(runner.requests[batch.req_ids[i]])
                    for i, tokens in enumerate(sampled_token_ids) if tokens}
-        found = {}
+        found = {}  # row: (lookup source, tokens)
         if self.options.lookup_ngram:
             for i, budget in budgets.items():
                 if budget:
                     context = batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
                     tokens = prompt_lookup(context, self.options.lookup_ngram, budget)
                     if len(tokens):
-                        found[i] = tokens
+                        found[i] = ("lookup", tokens)
+                    elif self._history is not None and len(tokens := self._history.lookup(context, budget)):
+                        found[i] = ("history", tokens)
         rows = list(budgets)
-        offers = [RowOffer(batch.req_ids[i], len(found.get(i, ())), budgets[i] > 0 and i not in found,
+        offers = [RowOffer(batch.req_ids[i], len(found[i][1]) if i in found else 0,
+                           found[i][0] if i in found else "lookup", budgets[i] > 0 and i not in found,
                            self._samples(runner, batch.req_ids[i])) for i in rows]
         self_rows = [i for i, offer in zip(rows, offers) if offer.can_self_draft]
         plan = self._plan(offers, max((budgets[i] for i in self_rows), default=0))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for i, length in zip(rows, plan.lookup_lengths):
             if length:
-                drafts[i] = [int(t) for t in found[i][:length]]
+                drafts[i] = [int(t) for t in found[i][1][:length]]
         if plan.self_length:
             if plan.explored:  # a retry: rows that have a mask, or one new row (one probe)
                 self_rows = [i for i in self_rows if batch.req_ids[i] in self.masks] or self_rows[:1]
@@ -132,9 +141,10 @@ class SelfAdmgProposer:
                 self._measure_prompts(runner, new_rows, common_attn_metadata)
             self_budgets = np.array([min(budgets[i], plan.self_length) for i in self_rows])
             self._draft(runner, self_rows, self_budgets, common_attn_metadata, drafts)
-        self._drafted = {batch.req_ids[i]: ("lookup" if i in found else "self", len(drafts[i]))
+        self._drafted = {batch.req_ids[i]: (found[i][0] if i in found else "self", len(drafts[i]))
                          for i in rows if drafts[i]}
         self.counters.lookup_tokens += sum(len(drafts[i]) for i in found)
+        self.counters.history_tokens += sum(len(drafts[i]) for i in found if found[i][0] == "history")
         self._step_end = time.perf_counter()
         return drafts
 
@@ -150,6 +160,8 @@ class SelfAdmgProposer:
             sampled_rows = sum(n for r, n in rows.items() if self._samples(runner, r))
             prompt_tokens = max(scheduler_output.total_num_scheduled_tokens - logit_rows, 0)
             self.controller.observe_step(prompt_tokens, logit_rows, sampled_rows, now - self._step_end)
+            self.counters.steps.append((prompt_tokens, logit_rows, sampled_rows,
+                                        logit_rows - len(rows), now - self._step_end))
         self._step_end = None
         for i, tokens in enumerate(sampled_token_ids):
             drafted = self._drafted.get(req_ids[i]) if tokens else None
@@ -184,10 +196,14 @@ class SelfAdmgProposer:
         remaining = params.max_tokens - len(request.output_token_ids)
         return max(0, min(self.num_speculative_tokens, remaining - 1))
 
-    def forget(self, req_id: str) -> None:
-        """The runner dropped this request (finished or aborted): drop its mask too."""
+    def forget(self, req_id: str, request=None) -> None:
+        """The runner dropped this request (finished or aborted): drop its mask and rates, and
+        keep its output for later requests to draft from."""
         self.masks.pop(req_id, None)
         self.controller.forget(req_id)
+        if self._history is not None and request is not None and request.output_token_ids:
+            self._history.add(np.array(list(request.prompt_token_ids or ()) + list(request.output_token_ids)),
+                              output_start=len(request.prompt_token_ids or ()))
 
     # ---- statistics: one probe pass over each new prompt ----------------------------------
     def _measure_prompts(self, runner, rows: list[int], cam) -> None:
@@ -353,9 +369,10 @@ def proposer_report(worker, measurements: bool = True) -> dict:
         return {}
     counters = drafter.counters
     report = {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)
-              if f.name != "measurements"}
+              if f.name not in ("measurements", "steps")}
     report["live_requests"] = sorted(drafter.masks)
     if measurements:
+        report["steps"] = [list(step) for step in counters.steps]
         report["measurements"] = [
             {"prompt_key": key, "attention_similarity": attn.tolist(), "mlp_similarity": mlp.tolist(),
              "skip_attention": [bool(x) for x in mask.attention], "skip_mlp": [bool(x) for x in mask.mlp]}
