@@ -54,6 +54,10 @@ COLUMNS = ["method", "workload", "batch", "temperature", "tokens_per_s", "speedu
 def method_configs(draft_path: str | None) -> dict[str, dict | None]:
     methods = {
         "plain": None,
+        # Plain decoding as every speculative method here runs it: vLLM 0.32 turns asynchronous
+        # scheduling off for ngram, suffix and custom proposers, so this row shows what that
+        # alone costs (the scheduler no longer overlaps the forward pass).
+        "plain-sync": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
                   "prompt_lookup_max": 4},
         "suffix": {"method": "suffix", "num_speculative_tokens": K},
@@ -221,7 +225,7 @@ def run_engine(name, spec, model, args, prompts: tuple[dict, str], cells: list[C
             llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                       max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=args.kv_cache_gb << 30,
                       disable_log_stats=False, enforce_eager=args.enforce_eager,
-                      speculative_config=spec)
+                      speculative_config=spec, **({"async_scheduling": False} if name == "plain-sync" else {}))
         except Exception as err:  # a method that does not run here is reported, not fatal
             if spec is None:
                 raise
