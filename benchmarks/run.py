@@ -272,7 +272,35 @@ def lossless_check(cell: Cell, plain: Cell | None) -> str:
     return f"**MISMATCH {len(diverged)}/{len(cell.token_ids)}** (prompt@token: {where})"
 
 
+def merge_repeats(cells: list[Cell]) -> list[Cell]:
+    """One cell per (method, workload, batch, temperature), repeats summed: each rate is total
+    tokens over total time. Repeats run the engines in A B B A order, which cancels a linear
+    drift of the machine's speed (this shared VM's plain decoding varied by up to a third
+    between two runs of one afternoon)."""
+    merged: dict[tuple, Cell] = {}
+    for c in cells:
+        key = (c.method, c.workload, c.batch, c.temperature)
+        m = merged.get(key)
+        if m is None:
+            merged[key] = dataclasses.replace(c, counters=dict(c.counters), ttft_s=list(c.ttft_s),
+                                              skipped=list(c.skipped))
+            continue
+        m.output_tokens += c.output_tokens
+        m.seconds += c.seconds
+        m.decode_steps += c.decode_steps
+        m.counters = {k: m.counters.get(k, 0) + v for k, v in c.counters.items()}
+        m.ttft_s += c.ttft_s
+        m.skipped += c.skipped
+        m.probe_seconds += c.probe_seconds
+        m.draft_seconds += c.draft_seconds
+        m.draft_steps += c.draft_steps
+        m.lookup_tokens += c.lookup_tokens
+        m.peak_rss = max(m.peak_rss, c.peak_rss)
+    return list(merged.values())
+
+
 def summarize(cells: list[Cell]) -> list[dict]:
+    cells = merge_repeats(cells)
     plain = {(c.workload, c.batch, c.temperature): c for c in cells if c.method == "plain"}
     rows = []
     for c in cells:
@@ -409,6 +437,8 @@ def parse_args(argv=None):
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--only-ablations", nargs="+", metavar="TEXT",
                         help="run only the ablations whose name contains one of these texts")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every engine this many times, in A B B A order, and pool them")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run engines eagerly (default: vLLM's compiled engine)")
     parser.add_argument("--kv-cache-gb", type=int, default=2)
@@ -441,9 +471,11 @@ def main(argv=None) -> Path:
     if args.methods:
         methods = {k: v for k, v in methods.items() if k == "plain" or k in args.methods}
     cells: list[Cell] = []
-    for name, spec in methods.items():
-        run_engine(name, spec, model, args, prompts, cells)
-        write_results(out, args, summarize(cells), [], cells, final=False)  # survives a stop
+    for repeat in range(args.repeat):
+        order = list(methods.items())
+        for name, spec in (order if repeat % 2 == 0 else order[::-1]):  # A B B A: cancels drift
+            run_engine(name, spec, model, args, prompts, cells)
+            write_results(out, args, summarize(cells), [], cells, final=False)  # survives a stop
     rows = summarize(cells)
 
     ablation_rows = []
@@ -477,7 +509,7 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
         writer.writeheader()
         writer.writerows(rows + ablation_rows)
     header = (f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
-              f"tokens per request, fresh prompts in every cell, K={K}; {env['cpus']} CPUs ({env['machine']}), vLLM {env['vllm']}, "
+              f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); {env['cpus']} CPUs ({env['machine']}), vLLM {env['vllm']}, "
               f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
               f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
               f"Command: `{' '.join(['python', *sys.argv])}`\n")

@@ -19,6 +19,19 @@ def test_lossless_check_flags_mismatches():
     assert bench.lossless_check(sampled, plain) == "n/a"
 
 
+def test_repeats_pool_into_one_cell_per_method_and_cell():
+    def cell(method, tokens, seconds, drafts):
+        return bench.Cell(method, "w", 1, 0.0, tokens, seconds, 3, {"num_drafts": drafts}, [0.1],
+                          token_ids=[[1, 2, 3]])
+
+    cells = [cell("plain", 30, 10.0, 0), cell("m", 30, 5.0, 4), cell("m", 30, 7.0, 6), cell("plain", 30, 14.0, 0)]
+    merged = {c.method: c for c in bench.merge_repeats(cells)}
+    assert (merged["m"].output_tokens, merged["m"].seconds, merged["m"].counters) == (60, 12.0, {"num_drafts": 10})
+    rows = {r["method"]: r for r in bench.summarize(cells)}
+    assert rows["m"]["speedup"] == pytest.approx((60 / 12.0) / (60 / 24.0), abs=1e-3)
+    assert len(cells) == 4 and cells[1].seconds == 5.0  # the raw cells are left as they were
+
+
 @pytest.fixture(scope="module")
 def quick_run(tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
