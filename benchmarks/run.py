@@ -198,6 +198,13 @@ def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_
     return cell
 
 
+def batch_temperature_pairs(args) -> list[tuple[int, float]]:
+    """The (batch size, temperature) cells: `--cells` if given, else every combination."""
+    if getattr(args, "cells", None):
+        return [(int(b), float(t)) for b, t in (cell.split(":") for cell in args.cells)]
+    return [(b, t) for b in args.batch_sizes for t in args.temperatures]
+
+
 def assign_prompts(prompts_by_workload: dict[str, list[str]], args) -> tuple[dict, str]:
     """Fresh prompts for every cell, and a warm-up prompt no cell uses. A method that keeps
     earlier outputs (vLLM's `suffix` caches every response) would otherwise copy its own answer
@@ -205,11 +212,10 @@ def assign_prompts(prompts_by_workload: dict[str, list[str]], args) -> tuple[dic
     cell_prompts, warmup = {}, None
     for workload in args.workloads:
         prompts, start = prompts_by_workload[workload], 0
-        for batch in args.batch_sizes:
-            for temperature in args.temperatures:
-                count = max(batch, args.prompts)
-                cell_prompts[workload, batch, temperature] = prompts[start:start + count]
-                start += count
+        for batch, temperature in batch_temperature_pairs(args):
+            count = max(batch, args.prompts)
+            cell_prompts[workload, batch, temperature] = prompts[start:start + count]
+            start += count
         if start >= len(prompts):
             raise SystemExit(f"{workload} has {len(prompts)} prompts; these cells need {start + 1}")
         warmup = warmup or prompts[start]
@@ -223,7 +229,7 @@ def run_engine(name, spec, model, args, prompts: tuple[dict, str], cells: list[C
     with PeakRss() as rss:
         try:
             llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                      max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=args.kv_cache_gb << 30,
+                      max_num_seqs=max(b for b, _ in batch_temperature_pairs(args)), kv_cache_memory_bytes=args.kv_cache_gb << 30,
                       disable_log_stats=False, enforce_eager=args.enforce_eager,
                       speculative_config=spec, **({"async_scheduling": False} if name == "plain-sync" else {}))
         except Exception as err:  # a method that does not run here is reported, not fatal
@@ -238,13 +244,12 @@ def run_engine(name, spec, model, args, prompts: tuple[dict, str], cells: list[C
         llm.generate([warmup], use_tqdm=False)
         mine = []
         for workload in args.workloads:
-            for batch in args.batch_sizes:
-                for temperature in args.temperatures:
-                    cell = run_cell(llm, name, workload, cell_prompts[workload, batch, temperature],
-                                    batch, temperature, args.max_tokens, is_admg)
-                    print(f"  {workload:9} B={batch:<3} T={temperature:<3} "
-                          f"{cell.output_tokens / cell.seconds:7.1f} tok/s", flush=True)
-                    mine.append(cell)
+            for batch, temperature in batch_temperature_pairs(args):
+                cell = run_cell(llm, name, workload, cell_prompts[workload, batch, temperature],
+                                batch, temperature, args.max_tokens, is_admg)
+                print(f"  {workload:9} B={batch:<3} T={temperature:<3} "
+                      f"{cell.output_tokens / cell.seconds:7.1f} tok/s", flush=True)
+                mine.append(cell)
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -432,6 +437,8 @@ def parse_args(argv=None):
     parser.add_argument("--workloads", nargs="+", choices=["humaneval", "news"])
     parser.add_argument("--batch-sizes", nargs="+", type=int)
     parser.add_argument("--temperatures", nargs="+", type=float)
+    parser.add_argument("--cells", nargs="+", metavar="B:T",
+                        help="only these batch-size:temperature cells, e.g. 1:0 32:1")
     parser.add_argument("--prompts", type=int, help="prompts per cell at batch 1 (at least B)")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=None)
@@ -481,7 +488,7 @@ def main(argv=None) -> Path:
     ablation_rows = []
     if args.ablations:
         ab_args = argparse.Namespace(**{**vars(args), "workloads": ["humaneval"], "batch_sizes": [1],
-                                        "temperatures": [0.0]})
+                                        "temperatures": [0.0], "cells": None})
         ab_cells = [c for c in cells if c.method == "plain" and c.workload == "humaneval"
                     and c.batch == 1 and c.temperature == 0.0]
         variants = {name: spec for name, spec in ablation_configs().items()
