@@ -5,11 +5,12 @@ one server at a time, side by side in one run.
     .venv/bin/python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests 200
 
 Each server is started with the plain `vllm` command, warmed up, then sent `--requests`
-completions, each with a prompt of its own (HumanEval and news alternating), from `--concurrency` concurrent clients (the official openai client) under a hard
-`--time-limit`. Reported per server: failed requests, requests/s, output tokens/s, p50/p99
-latency, resident memory of the server's processes after warm-up and at the end, acceptance
-from vLLM's `vllm:spec_decode_*` counters on /metrics, and /health afterwards. Writes
-results.json, table.md and latency.png to --out.
+completions, each with a prompt of its own (HumanEval and news alternating), from
+`--concurrency` concurrent clients (the official openai client) under a hard `--time-limit`.
+Reported per server: failed requests, requests/s, output tokens/s, p50/p99 latency, resident
+memory of the server's processes after warm-up and at the end, acceptance from vLLM's
+`vllm:spec_decode_*` counters on /metrics, and /health afterwards. Writes results.json,
+table.md and latency.png to --out.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ verifying anything at all, which a per-token model cannot see.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -35,8 +36,6 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--spec", default='{"method": "self-admg", "num_speculative_tokens": 4}')
     args = parser.parse_args(argv)
-    import json
-
     model = str(assets.model_path(args.model)) if args.model in assets.ASSETS else args.model
     prompts = assets.load_prompts(args.workload)
     warmup, batches = prompts[:args.batch], [prompts[args.batch * i:args.batch * (i + 1)] for i in (1, 2)]

@@ -215,9 +215,10 @@ class DraftController:
         self_rows = [i for i, o in enumerate(offers) if o.can_self_draft]
         if not self.step.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup for o in offers], 0)
-        _, (_, t_row, t_sampled) = self.step.coefficients()
+        t0, (_, t_row, t_sampled) = self.step.coefficients()
         cost = [max(t_row + t_sampled * o.sampled, 1e-9) for o in offers]
-        tokens, seconds = float(len(offers)), self.step.predict((0, len(offers), sum(o.sampled for o in offers)))
+        # A plain step over these rows: one logit row each.
+        tokens, seconds = float(len(offers)), t0 + sum(t_row + t_sampled * o.sampled for o in offers)
         # Candidates, best gain/cost first: (-ratio, kind, row, depth). Within a source the
         # ratio falls with depth, so a row's next token is queued only once its last is taken.
         candidates = []

@@ -39,8 +39,6 @@ from vllm_selfspec.layers import HeadIds, ResidualStream, draft_logits, similari
 from vllm_selfspec.lookup import OutputHistory, prompt_lookup
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 
-_SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature is greedy
-
 # A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
 logger = logging.getLogger("vllm.selfspec")
 
@@ -124,9 +122,11 @@ class SelfAdmgProposer:
                     elif self._history is not None and len(tokens := self._history.lookup(context, budget)):
                         found[i] = ("history", tokens)
         rows = list(budgets)
-        offers = [RowOffer(batch.req_ids[i], len(found[i][1]) if i in found else 0,
-                           found[i][0] if i in found else "lookup", budgets[i] > 0 and i not in found,
-                           self._samples(runner, batch.req_ids[i])) for i in rows]
+        offers = []
+        for i in rows:
+            source, tokens = found.get(i, ("lookup", ()))
+            offers.append(RowOffer(batch.req_ids[i], len(tokens), source, budgets[i] > 0 and i not in found,
+                                   self._samples(runner, batch.req_ids[i])))
         self_rows = [i for i, offer in zip(rows, offers) if offer.can_self_draft]
         plan = self._plan(offers, max((budgets[i] for i in self_rows), default=0))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -173,9 +173,11 @@ class SelfAdmgProposer:
     @staticmethod
     def _samples(runner, req_id: str) -> bool:
         """Whether a request samples (temperature > 0) rather than taking the argmax."""
+        from vllm.sampling_params import SamplingType
+
         request = runner.requests.get(req_id)
         params = request.sampling_params if request is not None else None
-        return bool(params is not None and params.temperature >= _SAMPLING_EPS)
+        return params is not None and params.sampling_type != SamplingType.GREEDY
 
     def _plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
         """How much of each kind of draft pays this step (everything offered, if not adaptive).
