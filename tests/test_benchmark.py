@@ -20,15 +20,19 @@ def test_lossless_check_flags_mismatches():
 
 
 def test_repeats_pool_into_one_cell_per_method_and_cell():
-    def cell(method, tokens, seconds, drafts):
+    def cell(method, tokens, seconds, drafts, round, ids):
         return bench.Cell(method, "w", 1, 0.0, tokens, seconds, 3, {"num_drafts": drafts}, [0.1],
-                          token_ids=[[1, 2, 3]])
+                          token_ids=[ids], round=round)
 
-    cells = [cell("plain", 30, 10.0, 0), cell("m", 30, 5.0, 4), cell("m", 30, 7.0, 6), cell("plain", 30, 14.0, 0)]
+    cells = [cell("plain", 30, 10.0, 0, 0, [1, 2]), cell("m", 30, 5.0, 4, 0, [1, 2]),
+             cell("m", 30, 7.0, 6, 1, [3, 4]), cell("plain", 30, 10.5, 0, 1, [3, 5])]
     merged = {c.method: c for c in bench.merge_repeats(cells)}
     assert (merged["m"].output_tokens, merged["m"].seconds, merged["m"].counters) == (60, 12.0, {"num_drafts": 10})
+    assert merged["m"].token_ids == [[1, 2], [3, 4]]
     rows = {r["method"]: r for r in bench.summarize(cells)}
-    assert rows["m"]["speedup"] == pytest.approx((60 / 12.0) / (60 / 24.0), abs=1e-3)
+    assert rows["m"]["speedup"] == pytest.approx((60 / 12.0) / (60 / 20.5), abs=1e-3)
+    assert rows["m"]["speedup_range"] == "1.50-2.00"  # each round against plain's run of that round
+    assert rows["m"]["lossless"].startswith("**MISMATCH 1/2**")  # the second round is checked too
     assert len(cells) == 4 and cells[1].seconds == 5.0  # the raw cells are left as they were
 
 
@@ -38,6 +42,7 @@ def quick_run(tiny_model_path, tmp_path_factory):
     bench.main(["--model", str(tiny_model_path), "--dtype", "float32", "--methods", "ngram",
                 "self-admg", "--workloads", "humaneval", "--batch-sizes", "1", "2",
                 "--temperatures", "0", "1", "--prompts", "2", "--max-tokens", "8",
+                "--interleave", "--repeat", "2",
                 "--enforce-eager", "--kv-cache-gb", "1", "--max-model-len", "1024",
                 "--no-ablations", "--out", str(out)])
     return out
@@ -55,16 +60,34 @@ def test_quick_run_writes_every_column_and_checks_losslessness(quick_run):
     for r in rows:
         assert r["lossless"] == ("ok" if r["temperature"] == 0 else "n/a"), r
         assert r["tokens_per_s"] > 0 and r["speedup"] is not None
+        assert (r["speedup_range"] is not None) == (r["method"] != "plain"), r  # two rounds each
+    rounds = [(c["method"], c["batch"], c["temperature"], c["round"])
+              for c in json.loads((quick_run / "results.json").read_text())["cells"]]
+    assert sorted(rounds) == sorted((m, b, t, r) for m in ("plain", "ngram", "self-admg")
+                                    for b in (1, 2) for t in (0.0, 1.0) for r in (0, 1))
     # Self-admg's own columns, wherever its cell did what they measure (whether the controller
     # self-drafts in a given cell depends on timing, so each cell is checked against its counts).
-    cells = {(c["workload"], c["batch"], c["temperature"]): c
-             for c in json.loads((quick_run / "results.json").read_text())["cells"] if c["method"] == "self-admg"}
+    cells = {}
+    for c in json.loads((quick_run / "results.json").read_text())["cells"]:
+        if c["method"] == "self-admg":
+            cells.setdefault((c["workload"], c["batch"], c["temperature"]), []).append(c)
     admg = [r for r in rows if r["method"] == "self-admg"]
     assert len(admg) == len(cells) == 4
     for r in admg:
-        cell = cells[r["workload"], r["batch"], r["temperature"]]
-        assert (r["skipped_mean"] is not None) == bool(cell["skipped"]), r
-        assert (r["draft_cost_ratio"] is not None) == (cell["draft_steps"] > 0), r
-        assert (r["lookup_share"] is not None) == (cell["counters"].get("num_draft_tokens", 0) > 0), r
+        rounds = cells[r["workload"], r["batch"], r["temperature"]]
+        assert (r["skipped_mean"] is not None) == any(c["skipped"] for c in rounds), r
+        assert (r["draft_cost_ratio"] is not None) == any(c["draft_steps"] > 0 for c in rounds), r
+        assert (r["lookup_share"] is not None) == any(c["counters"].get("num_draft_tokens", 0) > 0
+                                                      for c in rounds), r
     env = json.loads((quick_run / "environment.json").read_text())
     assert env["vllm"].startswith("0.32.0") and env["cpus"]
+
+
+def test_sequential_run_restarts_engines_per_method(tiny_model_path, tmp_path):
+    bench.main(["--model", str(tiny_model_path), "--dtype", "float32", "--methods", "self-admg",
+                "--workloads", "humaneval", "--cells", "1:0", "--prompts", "1", "--max-tokens", "6",
+                "--enforce-eager", "--kv-cache-gb", "1", "--max-model-len", "1024",
+                "--no-ablations", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["method"], r["lossless"], r["speedup_range"]) for r in rows] == [
+        ("plain", "ok", None), ("self-admg", "ok", None)]
