@@ -1,51 +1,72 @@
-"""The draft controller and prompt lookup: pure functions, no engine."""
+"""The draft controller and lookup drafts: pure functions, no engine."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from vllm_selfspec.controller import AcceptanceRate, DraftController, RowOffer, target_step_cost
-from vllm_selfspec.lookup import OutputHistory, prompt_lookup
+from vllm_selfspec.controller import AcceptanceRate, DraftController, RowOffer, target_step_cost, token_bins
+from vllm_selfspec.lookup import OutputHistory, lookup_draft, suffix_draft
 
 
-def test_prompt_lookup_takes_the_longest_most_recent_match():
-    context = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
-    # "2 3" last occurred at 5..6, followed by 7 8 5 (the earlier "2 3 9" is older).
-    assert prompt_lookup(context, max_ngram=4, max_tokens=3).tolist() == [7, 8, 5]
-    # A longer n-gram wins over a more recent shorter one.
-    context = np.array([4, 2, 3, 6, 0, 2, 3, 9, 4, 2, 3])
-    assert prompt_lookup(context, max_ngram=4, max_tokens=2).tolist() == [6, 0]
-    assert prompt_lookup(context, max_ngram=2, max_tokens=2).tolist() == [9, 4]
+def test_lookup_follows_the_most_frequent_continuation():
+    # "5 6 7" went on with "8 9" twice and, most recently, with "30".
+    context = np.array([5, 6, 7, 8, 9, 1, 5, 6, 7, 8, 9, 2, 5, 6, 7, 30, 3, 5, 6, 7])
+    draft = suffix_draft(context, max_tokens=4)
+    # Three earlier occurrences and the current one: 8 has 2 of 4; after "8 9" the two
+    # occurrences part (1, 2), and the more recent one is followed.
+    assert (draft.tokens.tolist(), draft.probs, draft.match) == ([8, 9, 2], (0.5, 0.5, 0.25), 3)
+    assert suffix_draft(context, max_tokens=2).tokens.tolist() == [8, 9]
 
 
-def test_prompt_lookup_without_a_match_or_context():
-    assert prompt_lookup(np.array([1, 2, 3, 4]), 4, 3).tolist() == []
-    assert prompt_lookup(np.array([5]), 4, 3).tolist() == []
+def test_lookup_prefers_a_long_match_and_drafts_no_longer_than_it():
+    # The tail "1 2 3 4" occurred once, followed by 5; "4" alone is mostly followed by 7.
+    context = np.array([1, 2, 3, 4, 5, 4, 7, 4, 7, 4, 7, 1, 2, 3, 4])
+    draft = suffix_draft(context, max_tokens=4)
+    assert (draft.tokens.tolist(), draft.match) == ([5, 4, 7, 4], 4)
+    # With only a one-token match, one token at most.
+    assert suffix_draft(np.array([1, 2, 3, 4, 9, 4]), max_tokens=4).tokens.tolist() == [9]
+    assert suffix_draft(context, max_tokens=4, max_match=1).tokens.tolist() == [7]
+
+
+def test_lookup_offers_nothing_without_a_confident_match():
+    assert len(suffix_draft(np.array([1, 2, 3, 4]), 3)) == 0
+    assert len(suffix_draft(np.array([5]), 3)) == 0
+    assert len(suffix_draft(np.array([], dtype=np.int64), 3)) == 0
+    # "0" was followed by twelve different tokens: none reaches a probability of 0.1.
+    scattered = np.array([x for k in range(1, 13) for x in (0, k)] + [0])
+    assert len(suffix_draft(scattered, 3)) == 0
+    assert suffix_draft(scattered, 3, min_prob=0.05).probs == (1 / 13,)
     # The continuation may run up to the context's end, never past it.
-    assert prompt_lookup(np.array([1, 2, 1, 2]), 4, 5).tolist() == [1, 2]
+    assert suffix_draft(np.array([1, 2, 1, 2]), 5).tokens.tolist() == [1, 2]
 
 
-def test_output_history_continues_the_longest_most_recent_match():
-    history = OutputHistory(max_ngram=3, max_entries=1000, continuation=4)
-    # Prompt 1 2, output 3 4 5 6 7: n-grams ending at an output token, reaching into the prompt.
-    history.add(np.array([1, 2, 3, 4, 5, 6, 7]), output_start=2)
-    assert history.lookup(np.array([9, 9, 1, 2]), max_tokens=3).tolist() == [3, 4, 5]
-    assert history.lookup(np.array([8, 4, 5]), max_tokens=8).tolist() == [6, 7]
-    assert history.lookup(np.array([5, 6, 7]), max_tokens=3).tolist() == []  # nothing followed
-    assert history.lookup(np.array([9, 1]), max_tokens=3).tolist() == []  # never ended an output n-gram
-    history.add(np.array([0, 4, 5, 0, 0]), output_start=1)  # more recent: "4 5" is now followed by 0
-    assert history.lookup(np.array([8, 4, 5]), max_tokens=2).tolist() == [0, 0]
-    assert history.lookup(np.array([3, 4, 5]), max_tokens=2).tolist() == [6, 7]  # the longer match wins
+def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():
+    history = OutputHistory(max_tokens=12)
+    for output in ([1, 2, 3], [1, 2, 4], [1, 2, 4]):
+        history.add(np.array(output))
+    assert history.tokens.tolist() == [-1, 1, 2, 4, -1, 1, 2, 4, -1]  # [1, 2, 3] dropped
+    draft = history.draft(np.array([9, 1, 2]), max_tokens=3, max_match=24)
+    assert (draft.tokens.tolist(), draft.probs) == ([4], (2 / 3,))  # stops at the output's end
+    assert len(history.draft(np.array([7, 2, 4]), 3, 24)) == 0  # nothing followed "4"
 
 
-def test_output_history_keeps_at_most_max_entries():
-    history = OutputHistory(max_ngram=2, max_entries=10)
-    for start in range(0, 1000, 10):
-        history.add(np.arange(start, start + 10), output_start=0)
-    assert len(history) == 10
-    assert history.lookup(np.array([997, 998]), 2).tolist() == [999]  # the newest survive
-    assert history.lookup(np.array([7, 8]), 2).tolist() == []
+def test_lookup_draft_takes_the_better_of_own_context_and_history():
+    history = OutputHistory(max_tokens=1000)
+    for _ in range(3):
+        history.add(np.array([8, 9, 10, 11]))
+    own_weak = np.array([8, 9, 3, 5, 8, 9])  # own context: "8 9" -> 3 once (score 0.5 + ...)
+    source, draft = lookup_draft(own_weak, 3, 24, history)
+    assert (source, draft.tokens.tolist()) == ("history", [10, 11])
+    assert lookup_draft(own_weak, 3, 24, None)[0] == "lookup"
+    source, draft = lookup_draft(np.array([8, 9, 3, 5, 8, 9, 3, 5, 8, 9]), 3, 24, history)
+    assert (source, draft.tokens.tolist()) == ("lookup", [3, 5, 8])  # a longer, surer match
+
+
+def test_token_bins_by_match_length_and_agreement():
+    assert token_bins("lookup", (0.5, 0.5, 0.25), 3, 3) == [("lookup", 1, 2), ("lookup", 1, 4), ("lookup", 1, 2)]
+    assert token_bins("history", (0.9,), 12, 1) == [("history", 3, 4)]
+    assert token_bins("lookup", (), 0, 2) == [("lookup",), ("lookup",)]  # no probabilities: one bin
 
 
 def test_acceptance_rate_counts_trials_up_to_the_first_rejection():
@@ -175,6 +196,31 @@ def test_lookup_acceptance_is_learned_per_request():
     assert plan.lookup_lengths[0] == 4 and plan.lookup_lengths[1] == 0
     controller.forget("r1")
     assert controller.lookup_rate("r1") == controller.lookup.rate
+
+
+SURE = dict(lookup=4, lookup_probs=(0.9, 0.9, 0.9, 0.9), lookup_match=12)  # long, unanimous match
+WEAK = dict(lookup=1, lookup_probs=(0.5,), lookup_match=1)  # one token, one earlier occurrence
+
+
+def with_learned_bins(controller):
+    for _ in range(40):
+        controller.observe_draft("x", "lookup", 4, 4, RowOffer(**SURE).lookup_bins)
+        controller.observe_draft("y", "lookup", 1, 0, RowOffer(**WEAK).lookup_bins)
+    return controller
+
+
+def test_lookup_tokens_are_priced_by_how_sure_their_match_is():
+    controller = with_learned_bins(trained(t0=0.25, t1=0.03, self_step=0.5, lookup_rate=0.6, self_rate=0.5))
+    sure, weak = RowOffer("a", **SURE), RowOffer("b", **WEAK)
+    assert controller.lookup_gains(sure)[-1] > 0.9 and controller.lookup_gains(weak)[0] < 0.1
+    assert controller.plan([sure, weak], self_budget=0).lookup_lengths == [4, 0]
+
+
+def test_each_row_drafts_from_the_source_it_trusts_more():
+    controller = with_learned_bins(trained(t0=0.25, t1=0.01, self_step=0.02, lookup_rate=0.9, self_rate=0.9))
+    plan = controller.plan([RowOffer("a", can_self_draft=True, **SURE), RowOffer("b", can_self_draft=True, **WEAK)],
+                           self_budget=4)
+    assert (plan.lookup_lengths, plan.self_rows, plan.self_length) == ([4, 0], [False, True], 4)
 
 
 def test_an_unused_source_is_retried_with_back_off():

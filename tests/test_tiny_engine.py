@@ -205,16 +205,16 @@ def test_seeded_request_with_chunked_prefill(admg_mixed, tiny_prompt_ids):
 
 
 def test_default_hybrid_is_lossless(tiny_model_path, tiny_prompt_ids, plain_ids):
-    """The default set-up: prompt-lookup drafts where the context repeats itself, drafts from
-    earlier answers or self-drafts elsewhere, and the controller deciding how much of each
-    pays. Still plain decoding's output."""
+    """The default set-up: lookup drafts from the row's own context or from earlier answers,
+    self-drafts where lookup is unsure, and the controller deciding how much of each pays.
+    Still plain decoding's output."""
     llm = make_llm(tiny_model_path, speculative_config={"method": "self-admg", "num_speculative_tokens": 3})
     try:
         assert token_ids(generate(llm, tiny_prompt_ids)) == plain_ids
         report = proposer_report(llm)
         assert report["lookup_tokens"] > 0  # the first prompt repeats itself three times
         assert spec_counters(llm)["num_draft_tokens"] >= report["lookup_tokens"]
-        # Asked again, rows whose context has no match draft from the earlier answers.
+        # Asked again, the earlier answers offer surer drafts than the rows' own contexts.
         assert token_ids(generate(llm, tiny_prompt_ids)) == plain_ids
         assert proposer_report(llm)["history_tokens"] > report["history_tokens"]
     finally:

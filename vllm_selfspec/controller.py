@@ -13,7 +13,9 @@ c_i = t_row (+ t_sampled). A self-draft step over m rows takes e(m) seconds (`se
 measured). A draft token at depth j from a source whose tokens are accepted with probability a
 (prompt lookup per request, self-draft overall, each measured) is emitted with probability a**j.
 A plain step yields B tokens; each added draft token adds a**j expected tokens at the price of
-c_i (lookup) or c_i + e(m)/m per row (self-draft). Adding a token raises tokens/second exactly
+c_i (lookup) or c_i + e(m)/m per row (self-draft). A lookup draft says how sure each of its
+tokens is (how many earlier occurrences agree, how long a match they share), so its tokens are
+accepted with rates learned per such bin rather than one a per source (`token_bins`). Adding a token raises tokens/second exactly
 when its gain/cost ratio beats the current tokens/second, so the plan takes the best ratios
 while they do. With nothing worth drafting the plan is plain decoding.
 
@@ -24,6 +26,7 @@ leaves room for it to pay at all (with every token accepted).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field
 
@@ -144,6 +147,23 @@ def self_step_cost() -> LinearCost:
     return LinearCost(prior_share=(0.1,), ridge=(1e-3,), decay=0.9, min_samples=1)
 
 
+MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
+AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
+
+
+def token_bins(source: str, probs: tuple[float, ...], match: int, length: int) -> list[tuple]:
+    """Each lookup draft token's calibration bin: its source, its match-length bucket, and the
+    share of the occurrences behind the previous token that agree on this one (p_j / p_j-1).
+    Without probabilities every token falls in one bin per source."""
+    if not probs:
+        return [(source,)] * length
+    match_bucket, bins, previous = bisect.bisect_right(MATCH_EDGES, match), [], 1.0
+    for p in probs[:length]:
+        bins.append((source, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, p / previous)))
+        previous = p
+    return bins
+
+
 @dataclass
 class RowOffer:
     """What one row of the batch can draft this step."""
@@ -151,8 +171,14 @@ class RowOffer:
     req_id: str = ""
     lookup: int = 0  # tokens offered by lookup, from the row's own context or from history
     lookup_source: str = "lookup"  # "lookup" (own context) or "history" (earlier outputs)
-    can_self_draft: bool = False  # no lookup match, but budget left: may draft with the model
+    can_self_draft: bool = False  # budget left: may draft with the model (instead of lookup)
     sampled: bool = False  # temperature > 0: verifying its drafts costs a softmax each
+    lookup_probs: tuple[float, ...] = ()  # per lookup token, see vllm_selfspec.lookup
+    lookup_match: int = 0
+
+    @property
+    def lookup_bins(self) -> list[tuple]:
+        return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup)
 
 
 @dataclass
@@ -160,6 +186,13 @@ class DraftPlan:
     lookup_lengths: list[int]  # per offer (0 for rows that do not take a lookup draft)
     self_length: int  # draft steps for the self-draft rows
     explored: bool = False
+    self_rows: list[bool] = field(default_factory=list)  # per offer: drafts with the model if any
+
+    @staticmethod
+    def everything(offers: list[RowOffer], self_budget: int) -> DraftPlan:
+        """Every lookup draft whole, self-drafts of the full budget where lookup has none."""
+        return DraftPlan([o.lookup for o in offers], self_budget, False,
+                         [o.can_self_draft and not o.lookup for o in offers])
 
 
 @dataclass
@@ -175,6 +208,8 @@ class DraftController:
     # Lookup acceptance per request and source (prior: the source's overall rate): code and
     # prose differ a lot.
     _by_request: dict[tuple[str, str], AcceptanceRate] = field(default_factory=dict)
+    # Lookup acceptance per token bin (prior: the source's overall rate when first seen).
+    _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
 
     # ---- what happened -----------------------------------------------------------------
     def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float) -> None:
@@ -190,8 +225,9 @@ class DraftController:
             return
         self.self_step.observe((rows,), seconds)
 
-    def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int) -> None:
-        """What verification made of a row's draft from `source`: lookup, history or self."""
+    def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int, bins=()) -> None:
+        """What verification made of a row's draft from `source` (lookup, history or self),
+        with its lookup tokens' bins."""
         overall = getattr(self, "self_draft" if source == "self" else source)
         overall.observe(drafted, accepted)
         if source != "self":
@@ -199,6 +235,10 @@ class DraftController:
             if key not in self._by_request:
                 self._by_request[key] = AcceptanceRate(prior=overall.rate, decay=0.95)
             self._by_request[key].observe(drafted, accepted)
+        for j, b in enumerate(bins[:min(accepted + 1, drafted)]):  # accepted ones, the first rejected
+            if b not in self._by_bin:
+                self._by_bin[b] = AcceptanceRate(prior=overall.rate)
+            self._by_bin[b].observe(1, int(j < accepted))
 
     def forget(self, req_id: str) -> None:
         for source in ("lookup", "history"):
@@ -208,26 +248,40 @@ class DraftController:
         rate = self._by_request.get((req_id, source))
         return rate.rate if rate else getattr(self, source).rate
 
+    def lookup_gains(self, offer: RowOffer) -> list[float]:
+        """Expected tokens from each depth j of a row's lookup draft: the chance that its first
+        j tokens are all accepted, the product of each token's rate (by bin), scaled by how this
+        request's drafts fare against its source's. Never rises with depth."""
+        overall = getattr(self, offer.lookup_source).rate
+        request = self.lookup_rate(offer.req_id, offer.lookup_source) / overall
+        gains, gain = [], 1.0
+        for b in offer.lookup_bins:
+            rate = self._by_bin[b].rate if b in self._by_bin else overall
+            gain *= min(rate * request, 0.999)
+            gains.append(gain)
+        return gains
+
     # ---- what to do ---------------------------------------------------------------------
     def plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
         """Draft lengths for one step over these rows (every row that sampled a token)."""
         lookup_lengths = [0] * len(offers)
-        self_rows = [i for i, o in enumerate(offers) if o.can_self_draft]
         if not self.step.ready:  # learn the step cost first, with the drafts that cost nothing
-            return DraftPlan([o.lookup for o in offers], 0)
+            return DraftPlan([o.lookup for o in offers], 0, False, [False] * len(offers))
         t0, (_, t_row, t_sampled) = self.step.coefficients()
         cost = [max(t_row + t_sampled * o.sampled, 1e-9) for o in offers]
         # A plain step over these rows: one logit row each.
         tokens, seconds = float(len(offers)), t0 + sum(t_row + t_sampled * o.sampled for o in offers)
+        # Each row drafts from the source it trusts more for its first token (self-drafts only
+        # once they have been measured).
+        gains = [self.lookup_gains(o) if o.lookup else [] for o in offers]
+        a_self = self.self_draft.rate
+        self_rows = [i for i, o in enumerate(offers) if o.can_self_draft and (
+            not o.lookup or (self.self_step.samples and gains[i][0] < a_self))]
         # Candidates, best gain/cost first: (-ratio, kind, row, depth). Within a source the
         # ratio falls with depth, so a row's next token is queued only once its last is taken.
-        candidates = []
-        for i, offer in enumerate(offers):
-            if offer.lookup:
-                a = self.lookup_rate(offer.req_id, offer.lookup_source)
-                candidates.append((-a / cost[i], "lookup", i, 1))
+        candidates = [(-gains[i][0] / cost[i], "lookup", i, 1)
+                      for i, offer in enumerate(offers) if offer.lookup and i not in self_rows]
         m = len(self_rows)
-        a_self = self.self_draft.rate
         self_token_cost = sum(cost[i] for i in self_rows) + self.self_step.predict((m,)) if m else 0.0
         if m and self.self_step.samples and self_budget:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
@@ -236,11 +290,10 @@ class DraftController:
         while candidates and -candidates[0][0] > tokens / seconds:
             _, kind, i, depth = heapq.heappop(candidates)
             if kind == "lookup":
-                a = self.lookup_rate(offers[i].req_id, offers[i].lookup_source)
                 lookup_lengths[i] = depth
-                tokens, seconds = tokens + a**depth, seconds + cost[i]
+                tokens, seconds = tokens + gains[i][depth - 1], seconds + cost[i]
                 if depth < offers[i].lookup:
-                    heapq.heappush(candidates, (-a ** (depth + 1) / cost[i], "lookup", i, depth + 1))
+                    heapq.heappush(candidates, (-gains[i][depth] / cost[i], "lookup", i, depth + 1))
             else:
                 self_length = depth
                 tokens, seconds = tokens + m * a_self**depth, seconds + self_token_cost
@@ -257,4 +310,5 @@ class DraftController:
                 self.explore_after = min(2 * self.explore_after, 1024)
         elif self_length > 0:
             self._idle_steps, self.explore_after = 0, 16
-        return DraftPlan(lookup_lengths, self_length, explored)
+        chosen = set(self_rows) if self_length else set()
+        return DraftPlan(lookup_lengths, self_length, explored, [i in chosen for i in range(len(offers))])

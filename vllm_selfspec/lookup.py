@@ -1,69 +1,135 @@
-"""Prompt-lookup drafts: the continuation of an earlier occurrence of the context's last n-gram.
+"""Lookup drafts: continue the context the way its earlier occurrences continued.
 
-Code and summaries copy from their context (identifiers, quoted sentences), and such a draft
-costs no forward pass at all. The proposer takes these drafts when the context offers one and
-drafts with the model itself otherwise (`vllm_selfspec.controller` decides how much of each
-pays). Same idea as vLLM's `ngram` method (Saxena's prompt lookup decoding); the difference is
-that the *most recent* occurrence is used, which follows local repetition in code better.
+Code and summaries copy from their context (identifiers, quoted sentences), and answers to
+similar requests repeat each other (boilerplate, a summary's phrasing); such a draft costs no
+forward pass at all. The proposer takes these drafts when they are likely enough and drafts
+with the model itself otherwise (`vllm_selfspec.controller` decides how much of each pays).
+
+The rule is suffix decoding's (Oliaro et al., 2024; vLLM's `suffix` method, arctic-inference's
+`SuffixDecodingCache` with a single path), computed here with numpy and no suffix tree:
+  * every match length m = 1..max_match of the context's last tokens is considered;
+  * the draft follows, token by token, the most frequent continuation of the earlier
+    occurrences of those m tokens (ties: the most recent occurrence, which follows local
+    repetition in code);
+  * token j's probability is the share of occurrences, counting the current one, that continue
+    with the draft's first j tokens: one earlier occurrence gives 1/2, two that agree 2/3;
+  * the draft stops below `min_prob`, is at most m tokens long, and of all m the draft with the
+    largest sum of probabilities wins (ties: the longer match).
+The probabilities are what the controller prices drafts by (after calibration, since a single
+earlier occurrence says 1/2 for a copied sentence and for a code fragment alike).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
+SEPARATOR = -1  # between outputs in a history: no continuation crosses it
 
-def prompt_lookup(context: np.ndarray, max_ngram: int, max_tokens: int, min_ngram: int = 2) -> np.ndarray:
-    """Up to `max_tokens` tokens that followed the most recent earlier occurrence of the
-    longest n-gram (min_ngram <= n <= max_ngram) ending `context`; empty when there is none."""
+
+@dataclass(frozen=True)
+class LookupDraft:
+    tokens: np.ndarray  # int64
+    probs: tuple[float, ...] = ()  # per token: share of occurrences continuing this far
+    match: int = 0  # how many of the context's last tokens the occurrences matched
+
+    @property
+    def score(self) -> float:
+        return sum(self.probs)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+NO_DRAFT = LookupDraft(np.zeros(0, dtype=np.int64))
+
+
+def suffix_draft(context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None,
+                 max_match: int = 24, min_prob: float = 0.1) -> LookupDraft:
+    """The best draft of up to `max_tokens` tokens for `context`, from the earlier occurrences of
+    its last tokens in `context` itself (corpus None) or in `corpus` (earlier outputs joined by
+    SEPARATOR). Costs one vectorised pass over the corpus, then a few small ones."""
     n = len(context)
-    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
-        # Windows that start at 0..n-1-size: every earlier occurrence, never the suffix itself.
-        windows = np.lib.stride_tricks.sliding_window_view(context[:n - 1], size)
-        hits = np.flatnonzero((windows == context[n - size:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + size
-            return context[start:start + max_tokens]
-    return context[:0]
+    own = corpus is None
+    corpus = context if own else corpus
+    end = n if own else len(corpus)  # continuations stop here
+    limit = n - 1 if own else len(corpus) - 1  # an occurrence needs a token after it
+    if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
+        return NO_DRAFT
+    ends = np.flatnonzero(corpus[:limit] == context[-1])
+    if not len(ends):
+        return NO_DRAFT
+    # lengths[i]: how many of the context's last tokens match the corpus, ending at ends[i].
+    lengths = np.ones(len(ends), dtype=np.int64)
+    alive = np.arange(len(ends))
+    for k in range(1, min(max_match, n)):
+        pos = ends[alive] - k
+        alive, pos = alive[pos >= 0], pos[pos >= 0]
+        alive = alive[corpus[pos] == context[n - 1 - k]]
+        if not len(alive):
+            break
+        lengths[alive] += 1
+    best = NO_DRAFT
+    # The occurrences change only at the distinct lengths, and the longest m of a run allows
+    # the longest draft with the same probabilities, so only those m are tried (ascending, so
+    # that a tie goes to the longer match).
+    for m in np.unique(lengths):
+        occurrences = ends[lengths >= m]
+        total = len(occurrences) + 1  # the current occurrence counts: it has no continuation yet
+        tokens, probs = [], []
+        for j in range(min(max_tokens, int(m))):
+            occurrences = occurrences[occurrences + 1 + j < end]
+            following = corpus[occurrences + 1 + j]
+            occurrences, following = occurrences[following >= 0], following[following >= 0]
+            if not len(occurrences):
+                break
+            # Most frequent next token; among equals the most recent (first in reversed order).
+            values, first_reversed, counts = np.unique(following[::-1], return_index=True, return_counts=True)
+            pick = np.lexsort((first_reversed, -counts))[0]
+            if counts[pick] / total < min_prob:
+                break
+            tokens.append(int(values[pick]))
+            probs.append(float(counts[pick] / total))
+            occurrences = occurrences[following == values[pick]]
+        if tokens and sum(probs) >= best.score:
+            best = LookupDraft(np.asarray(tokens, dtype=np.int64), tuple(probs), int(m))
+    return best
 
 
 class OutputHistory:
-    """Continuations from earlier requests' outputs, for rows whose own context has no match.
+    """Earlier requests' outputs, for drafts that the row's own context does not offer.
 
-    Answers to similar requests repeat each other (boilerplate code, a summary's phrasing), as
-    vLLM's `suffix` method exploits. Every n-gram (min_ngram..max_ngram tokens) that ends inside
-    a finished output maps to the tokens that followed it; the most recent output wins, and the
-    oldest entries are dropped beyond `max_entries`.
+    One token array, outputs separated by SEPARATOR, the oldest outputs dropped beyond
+    `max_tokens`; drafts come from `suffix_draft` over it, so frequent continuations win.
     """
 
-    def __init__(self, max_ngram: int, max_entries: int, continuation: int = 8, min_ngram: int = 2):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.max_entries, self.continuation = max_entries, continuation
-        self._next: OrderedDict[bytes, np.ndarray] = OrderedDict()
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.tokens = np.full(1, SEPARATOR, dtype=np.int64)
 
     def __len__(self) -> int:
-        return len(self._next)
+        return len(self.tokens)
 
-    def add(self, tokens: np.ndarray, output_start: int) -> None:
-        """Index a finished request: `tokens` is prompt and output, the output from
-        `output_start` on (the n-gram before an output token may reach into the prompt)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        for end in range(max(output_start, self.min_ngram), len(tokens)):
-            following = tokens[end:end + self.continuation].copy()
-            for size in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                key = tokens[end - size:end].tobytes()
-                self._next[key] = following
-                self._next.move_to_end(key)
-        while len(self._next) > self.max_entries:
-            self._next.popitem(last=False)
+    def add(self, output: np.ndarray) -> None:
+        joined = np.concatenate([self.tokens, np.asarray(output, dtype=np.int64), [SEPARATOR]])
+        if len(joined) > self.max_tokens:  # drop whole outputs, oldest first
+            cut = len(joined) - self.max_tokens
+            cut += int(np.argmax(joined[cut:] == SEPARATOR))
+            joined = joined[cut:]
+        self.tokens = joined
 
-    def lookup(self, context: np.ndarray, max_tokens: int) -> np.ndarray:
-        """Up to `max_tokens` tokens that followed the longest n-gram ending `context` in an
-        earlier output; empty when there is none."""
-        context = np.asarray(context, dtype=np.int64)
-        for size in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            following = self._next.get(context[len(context) - size:].tobytes())
-            if following is not None:
-                return following[:max_tokens]
-        return context[:0]
+    def draft(self, context: np.ndarray, max_tokens: int, max_match: int) -> LookupDraft:
+        return suffix_draft(context, max_tokens, self.tokens, max_match)
+
+
+def lookup_draft(context: np.ndarray, max_tokens: int, max_match: int,
+                 history: OutputHistory | None) -> tuple[str, LookupDraft]:
+    """The better of the context's own draft and the history's, by score (own on ties), with
+    its source: "lookup" (own context) or "history"."""
+    own = suffix_draft(context, max_tokens, max_match=max_match)
+    if history is not None:
+        earlier = history.draft(context, max_tokens, max_match)
+        if earlier.score > own.score:
+            return "history", earlier
+    return "lookup", own

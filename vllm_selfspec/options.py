@@ -90,15 +90,15 @@ class SelfAdmgOptions:
                           "the whole vocabulary)"},
     )
     lookup_ngram: int = field(
-        default=4,
-        metadata={"help": "draft by prompt lookup when the context's last n-gram (2..N tokens) "
-                          "occurred before, and with the model itself otherwise (0 = self-drafts "
-                          "only)"},
+        default=24,
+        metadata={"help": "draft by lookup, following the earlier occurrences of the context's "
+                          "last 1..N tokens, and with the model itself where lookup offers "
+                          "nothing (0 = self-drafts only)"},
     )
     lookup_history: int = field(
         default=65536,
-        metadata={"help": "when a row's own context has no match, look its last n-gram up in "
-                          "the outputs of earlier requests; keep up to N n-grams (0 = off)"},
+        metadata={"help": "look up in the outputs of earlier requests too, keeping the last N "
+                          "tokens of them (0 = the row's own context only)"},
     )
     adaptive: bool = field(
         default=True,
@@ -168,9 +168,7 @@ def make_options(raw: dict[str, Any]) -> SelfAdmgOptions:
     if "lookup_history" in values:
         values["lookup_history"] = _number("lookup_history", values["lookup_history"], int, 0, 100_000_000)
     if "lookup_ngram" in values:
-        values["lookup_ngram"] = _number("lookup_ngram", values["lookup_ngram"], int, 0, 32)
-        if values["lookup_ngram"] == 1:
-            raise SelfAdmgConfigError("self-admg option 'lookup_ngram' must be 0 (off) or in [2, 32], got 1")
+        values["lookup_ngram"] = _number("lookup_ngram", values["lookup_ngram"], int, 0, 64)
     if "adaptive" in values and not isinstance(values["adaptive"], bool):
         raise SelfAdmgConfigError(
             f"self-admg option 'adaptive' must be true or false, got {values['adaptive']!r}")

@@ -36,7 +36,7 @@ import torch
 from vllm_selfspec.admg import SkipMask, select_skip_mask
 from vllm_selfspec.controller import DraftController, DraftPlan, RowOffer
 from vllm_selfspec.layers import HeadIds, ResidualStream, draft_logits, similarity_sums
-from vllm_selfspec.lookup import OutputHistory, prompt_lookup
+from vllm_selfspec.lookup import OutputHistory, lookup_draft
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 
 # A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
@@ -83,8 +83,8 @@ class SelfAdmgProposer:
         self.controller = DraftController()
         self._stream: ResidualStream | None = None
         self._head_rows: torch.Tensor | None = None
-        self._drafted: dict[str, tuple[str, int]] = {}  # last step's drafts: source, length
-        self._history = (OutputHistory(self.options.lookup_ngram, self.options.lookup_history)
+        self._drafted: dict[str, tuple[str, int, list]] = {}  # last step's drafts: source, length, bins
+        self._history = (OutputHistory(self.options.lookup_history)
                          if self.options.lookup_ngram and self.options.lookup_history else None)
         self._step_end: float | None = None
 
@@ -111,29 +111,30 @@ class SelfAdmgProposer:
         # (a draft for a request that is about to hit max_tokens would be thrown away).
         budgets = {i: self._draft_budget(runner.requests[batch.req_ids[i]])
                    for i, tokens in enumerate(sampled_token_ids) if tokens}
-        found = {}  # row: (lookup source, tokens)
+        found = {}  # row: (lookup source, LookupDraft)
         if self.options.lookup_ngram:
             for i, budget in budgets.items():
                 if budget:
                     context = batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
-                    tokens = prompt_lookup(context, self.options.lookup_ngram, budget)
-                    if len(tokens):
-                        found[i] = ("lookup", tokens)
-                    elif self._history is not None and len(tokens := self._history.lookup(context, budget)):
-                        found[i] = ("history", tokens)
+                    source, draft = lookup_draft(context, budget, self.options.lookup_ngram, self._history)
+                    if len(draft):
+                        found[i] = (source, draft)
         rows = list(budgets)
         offers = []
         for i in rows:
-            source, tokens = found.get(i, ("lookup", ()))
-            offers.append(RowOffer(batch.req_ids[i], len(tokens), source, budgets[i] > 0 and i not in found,
-                                   self._samples(runner, batch.req_ids[i])))
-        self_rows = [i for i, offer in zip(rows, offers) if offer.can_self_draft]
-        plan = self._plan(offers, max((budgets[i] for i in self_rows), default=0))
+            source, draft = found.get(i, ("lookup", None))
+            offers.append(RowOffer(batch.req_ids[i], len(draft or ()), source, budgets[i] > 0,
+                                   self._samples(runner, batch.req_ids[i]),
+                                   draft.probs if draft else (), draft.match if draft else 0))
+        plan = self._plan(offers, max(budgets.values(), default=0))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for i, length in zip(rows, plan.lookup_lengths):
+        sources, bins = {}, {}
+        for i, offer, length in zip(rows, offers, plan.lookup_lengths):
             if length:
-                drafts[i] = [int(t) for t in found[i][1][:length]]
-        if plan.self_length:
+                drafts[i] = [int(t) for t in found[i][1].tokens[:length]]
+                sources[i], bins[i] = found[i][0], offer.lookup_bins[:length]
+        self_rows = [i for i, chosen in zip(rows, plan.self_rows) if chosen]
+        if plan.self_length and self_rows:
             if plan.explored:  # a retry: rows that have a mask, or one new row (one probe)
                 self_rows = [i for i in self_rows if batch.req_ids[i] in self.masks] or self_rows[:1]
             new_rows = [i for i in self_rows if batch.req_ids[i] not in self.masks]
@@ -141,10 +142,10 @@ class SelfAdmgProposer:
                 self._measure_prompts(runner, new_rows, common_attn_metadata)
             self_budgets = np.array([min(budgets[i], plan.self_length) for i in self_rows])
             self._draft(runner, self_rows, self_budgets, common_attn_metadata, drafts)
-        self._drafted = {batch.req_ids[i]: (found[i][0] if i in found else "self", len(drafts[i]))
+        self._drafted = {batch.req_ids[i]: (sources.get(i, "self"), len(drafts[i]), bins.get(i, []))
                          for i in rows if drafts[i]}
-        self.counters.lookup_tokens += sum(len(drafts[i]) for i in found)
-        self.counters.history_tokens += sum(len(drafts[i]) for i in found if found[i][0] == "history")
+        self.counters.lookup_tokens += sum(len(drafts[i]) for i in sources)
+        self.counters.history_tokens += sum(len(drafts[i]) for i, s in sources.items() if s == "history")
         self._step_end = time.perf_counter()
         return drafts
 
@@ -166,8 +167,8 @@ class SelfAdmgProposer:
         for i, tokens in enumerate(sampled_token_ids):
             drafted = self._drafted.get(req_ids[i]) if tokens else None
             if drafted:
-                source, length = drafted
-                self.controller.observe_draft(req_ids[i], source, length, len(tokens) - 1)
+                source, length, bins = drafted
+                self.controller.observe_draft(req_ids[i], source, length, len(tokens) - 1, bins)
         self._drafted = {}
 
     @staticmethod
@@ -183,11 +184,12 @@ class SelfAdmgProposer:
         """How much of each kind of draft pays this step (everything offered, if not adaptive).
         Timing differs between tensor-parallel ranks, so rank 0's plan is the one used."""
         if not self.options.adaptive:
-            return DraftPlan([o.lookup for o in offers], self_budget)
+            return DraftPlan.everything(offers, self_budget)
         plan = self.controller.plan(offers, self_budget)
         shared = same_on_all_ranks(torch.tensor(
-            [plan.self_length, plan.explored, *plan.lookup_lengths], device=self._device)).tolist()
-        return DraftPlan(shared[2:], shared[0], bool(shared[1]))
+            [plan.self_length, plan.explored, *plan.lookup_lengths, *plan.self_rows], device=self._device)).tolist()
+        n = len(offers)
+        return DraftPlan(shared[2:2 + n], shared[0], bool(shared[1]), [bool(x) for x in shared[2 + n:]])
 
     def _draft_budget(self, request) -> int:
         """How many draft tokens can still be used: verification emits accepted drafts plus one
@@ -204,8 +206,7 @@ class SelfAdmgProposer:
         self.masks.pop(req_id, None)
         self.controller.forget(req_id)
         if self._history is not None and request is not None and request.output_token_ids:
-            self._history.add(np.array(list(request.prompt_token_ids or ()) + list(request.output_token_ids)),
-                              output_start=len(request.prompt_token_ids or ()))
+            self._history.add(np.array(request.output_token_ids))
 
     # ---- statistics: one probe pass over each new prompt ----------------------------------
     def _measure_prompts(self, runner, rows: list[int], cam) -> None:
