@@ -298,7 +298,7 @@ def run_interleaved(methods: dict, model, args, prompts: tuple[dict, str], cells
                 llm, spec = engines[name]
                 cells.append(measure(llm, name, spec, args, cell_prompts, key))
                 cells[-1].peak_rss = rss.peak
-            write_results(out, args, summarize(cells), [], cells, final=False)  # survives a stop
+            write_results(out, args, summarize(cells, args.baseline), [], cells, final=False)  # survives a stop
         for llm, _ in engines.values():
             stop_engine(llm)
 
@@ -350,22 +350,23 @@ def merge_repeats(cells: list[Cell]) -> list[Cell]:
     return list(merged.values())
 
 
-def round_speedups(cells: list[Cell]) -> dict[tuple, list[float]]:
-    """Per (method, workload, batch, temperature): the speedup over plain in each round, plain's
-    run of the same round being the one closest in time."""
+def round_speedups(cells: list[Cell], baseline: str = "plain") -> dict[tuple, list[float]]:
+    """Per (method, workload, batch, temperature): the speedup over the baseline in each round,
+    the baseline's run of the same round being the one closest in time."""
     rate = {(c.method, c.workload, c.batch, c.temperature, c.round): c.output_tokens / c.seconds
             for c in cells if c.seconds > 0}
     ratios: dict[tuple, list[float]] = {}
     for (method, *cell, round), tps in rate.items():
-        if method != "plain" and (plain := rate.get(("plain", *cell, round))) is not None:
+        if method != baseline and (plain := rate.get((baseline, *cell, round))) is not None:
             ratios.setdefault((method, *cell), []).append(tps / plain)
     return ratios
 
 
-def summarize(cells: list[Cell]) -> list[dict]:
-    by_round = round_speedups(cells)
+def summarize(cells: list[Cell], baseline: str = "plain") -> list[dict]:
+    """One row per method and cell; speedups and the lossless check against `baseline`."""
+    by_round = round_speedups(cells, baseline)
     cells = merge_repeats(cells)
-    plain = {(c.workload, c.batch, c.temperature): c for c in cells if c.method == "plain"}
+    plain = {(c.workload, c.batch, c.temperature): c for c in cells if c.method == baseline}
     rows = []
     for c in cells:
         if "error" in c.counters:
@@ -409,10 +410,10 @@ def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
     return "\n".join(lines)
 
 
-def speedup_pivot(rows: list[dict]) -> str:
-    """Cells (workload, batch, temperature) by methods: speedup over plain decoding, with an x
+def speedup_pivot(rows: list[dict], baseline: str = "plain") -> str:
+    """Cells (workload, batch, temperature) by methods: speedup over the baseline, with an x
     where the lossless check failed."""
-    rows = [r for r in rows if r.get("speedup") is not None and r["method"] != "plain"]
+    rows = [r for r in rows if r.get("speedup") is not None and r["method"] != baseline]
     cells = sorted({(r["workload"], r["batch"], r["temperature"]) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by_key = {(r["method"], r["workload"], r["batch"], r["temperature"]): r for r in rows}
@@ -450,13 +451,13 @@ def environment(args) -> dict:
     }
 
 
-def plot(rows: list[dict], ablations: list[dict], out: Path) -> None:
+def plot(rows: list[dict], ablations: list[dict], out: Path, baseline: str = "plain") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r.get("speedup") is not None and r["method"] != "plain"]
+    rows = [r for r in rows if r.get("speedup") is not None and r["method"] != baseline]
     if rows:
         keys = sorted({(r["workload"], r["batch"], r["temperature"]) for r in rows})
         methods = sorted({r["method"] for r in rows})
@@ -469,7 +470,7 @@ def plot(rows: list[dict], ablations: list[dict], out: Path) -> None:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
         ax.set_xticklabels([f"{w}\nB={b} T={t:g}" for w, b, t in keys], fontsize=7)
-        ax.set_ylabel("speedup over plain decoding")
+        ax.set_ylabel(f"speedup over {baseline}")
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "speedup.png", dpi=120)
@@ -496,7 +497,10 @@ def parse_args(argv=None):
     parser.add_argument("--model", help="target model: an asset name or a directory")
     parser.add_argument("--draft-model", help="draft for vLLM's draft_model method")
     parser.add_argument("--dtype")
-    parser.add_argument("--methods", nargs="+", help="subset of methods to run (plain always runs)")
+    parser.add_argument("--methods", nargs="+", help="subset of methods to run (the baseline always runs)")
+    parser.add_argument("--baseline", default="plain",
+                        help="the method every speedup is measured against (default plain; say "
+                             "suffix for a head-to-head run when memory holds only two engines)")
     parser.add_argument("--workloads", nargs="+", choices=["humaneval", "news"])
     parser.add_argument("--batch-sizes", nargs="+", type=int)
     parser.add_argument("--temperatures", nargs="+", type=float)
@@ -542,8 +546,11 @@ def main(argv=None) -> Path:
     model, draft = resolve_model(args.model), resolve_model(args.draft_model)
     prompts = assign_prompts({w: assets.load_prompts(w) for w in args.workloads}, args)
     methods = method_configs(draft)
+    for name in [args.baseline, *(args.methods or [])]:
+        if name not in methods:
+            raise SystemExit(f"unknown method {name!r}: choose from {', '.join(methods)}")
     if args.methods:
-        methods = {k: v for k, v in methods.items() if k == "plain" or k in args.methods}
+        methods = {k: v for k, v in methods.items() if k == args.baseline or k in args.methods}
     cells: list[Cell] = []
     if args.interleave:
         run_interleaved(methods, model, args, prompts, cells, out)
@@ -551,20 +558,20 @@ def main(argv=None) -> Path:
         order = list(methods.items())
         for name, spec in (order if round % 2 == 0 else order[::-1]):  # A B B A: cancels drift
             run_engine(name, spec, model, args, prompts, cells, round)
-            write_results(out, args, summarize(cells), [], cells, final=False)  # survives a stop
-    rows = summarize(cells)
+            write_results(out, args, summarize(cells, args.baseline), [], cells, final=False)  # survives a stop
+    rows = summarize(cells, args.baseline)
 
     ablation_rows = []
     if args.ablations:
         ab_args = argparse.Namespace(**{**vars(args), "workloads": ["humaneval"], "batch_sizes": [1],
                                         "temperatures": [0.0], "cells": None})
-        ab_cells = [c for c in cells if c.method == "plain" and c.workload == "humaneval"
+        ab_cells = [c for c in cells if c.method == args.baseline and c.workload == "humaneval"
                     and c.batch == 1 and c.temperature == 0.0]
         variants = {name: spec for name, spec in ablation_configs().items()
                     if not args.only_ablations or any(text in name for text in args.only_ablations)}
         for name, spec in variants.items():
             run_engine(f"ablation: {name}", spec, model, ab_args, prompts, ab_cells)
-            ablation_rows = [r for r in summarize(ab_cells) if r["method"].startswith("ablation")]
+            ablation_rows = [r for r in summarize(ab_cells, args.baseline) if r["method"].startswith("ablation")]
             write_results(out, args, rows, ablation_rows, cells, final=False)
     table = write_results(out, args, rows, ablation_rows, cells, final=True)
     print("\n" + table)
@@ -589,13 +596,13 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
               f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
               f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
               f"Command: `{' '.join(['python', *sys.argv])}`\n")
-    table = (header + "\nSpeedup over plain decoding (x: a temperature-0 output differs from plain "
-             "decoding's, see the lossless column):\n\n" + speedup_pivot(rows) + "\n\nAll columns:\n\n"
-             + markdown_table(rows))
+    table = (header + f"\nSpeedup over {args.baseline} (x: a temperature-0 output differs from "
+             f"{args.baseline}'s, see the lossless column):\n\n" + speedup_pivot(rows, args.baseline)
+             + "\n\nAll columns:\n\n" + markdown_table(rows))
     if ablation_rows:
         table += "\n\nAblations (humaneval, batch 1, temperature 0):\n\n" + markdown_table(ablation_rows)
     (out / "table.md").write_text(table + "\n")
-    plot(rows, ablation_rows, out)
+    plot(rows, ablation_rows, out, args.baseline)
     return table
 
 

@@ -33,6 +33,9 @@ def test_repeats_pool_into_one_cell_per_method_and_cell():
     assert rows["m"]["speedup"] == pytest.approx((60 / 12.0) / (60 / 20.5), abs=1e-3)
     assert rows["m"]["speedup_range"] == "1.50-2.00"  # each round against plain's run of that round
     assert rows["m"]["lossless"].startswith("**MISMATCH 1/2**")  # the second round is checked too
+    head_to_head = {r["method"]: r for r in bench.summarize(cells, baseline="m")}
+    assert head_to_head["plain"]["speedup"] == pytest.approx((60 / 20.5) / (60 / 12.0), abs=1e-3)
+    assert head_to_head["plain"]["speedup_range"] == "0.50-0.67" and head_to_head["m"]["speedup_range"] is None
     assert len(cells) == 4 and cells[1].seconds == 5.0  # the raw cells are left as they were
 
 
