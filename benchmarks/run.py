@@ -516,7 +516,7 @@ def parse_args(argv=None):
                              "engines restart in A B B A order unless --interleave")
     parser.add_argument("--interleave", action="store_true",
                         help="keep every engine alive and alternate them cell by cell (memory: all "
-                             "engines at once; a Qwen-1.5B bf16 engine holds about 5 GB)")
+                             "engines at once; a Qwen-1.5B bf16 engine holds about 7 GB here)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run engines eagerly (default: vLLM's compiled engine)")
     parser.add_argument("--kv-cache-gb", type=int, default=2)

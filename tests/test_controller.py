@@ -69,6 +69,15 @@ def test_token_bins_by_match_length_and_agreement():
     assert token_bins("lookup", (), 0, 2) == [("lookup",), ("lookup",)]  # no probabilities: one bin
 
 
+def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere():
+    controller = trained(t0=0.25, t1=0.03, self_step=0.5, lookup_rate=0.6, self_rate=0.5)
+    for _ in range(40):  # weak one-token drafts fail and drag the source's rate down
+        controller.observe_draft("y", "lookup", 1, 0, RowOffer(**WEAK).calibration(1, 0.6))
+    assert controller.lookup.rate < 0.2
+    gains = controller.lookup_gains(RowOffer("a", lookup=2, lookup_probs=(0.75, 0.75), lookup_match=5))
+    assert gains == pytest.approx([0.75, 0.75 * 0.999])
+
+
 def test_acceptance_rate_counts_trials_up_to_the_first_rejection():
     rate = AcceptanceRate(prior=0.5, decay=1.0)
     rate.observe(drafted=4, accepted=4)  # 4 trials, 4 successes
@@ -204,8 +213,8 @@ WEAK = dict(lookup=1, lookup_probs=(0.5,), lookup_match=1)  # one token, one ear
 
 def with_learned_bins(controller):
     for _ in range(40):
-        controller.observe_draft("x", "lookup", 4, 4, RowOffer(**SURE).lookup_bins)
-        controller.observe_draft("y", "lookup", 1, 0, RowOffer(**WEAK).lookup_bins)
+        controller.observe_draft("x", "lookup", 4, 4, RowOffer(**SURE).calibration(4, 0.6))
+        controller.observe_draft("y", "lookup", 1, 0, RowOffer(**WEAK).calibration(1, 0.6))
     return controller
 
 
@@ -221,6 +230,16 @@ def test_each_row_drafts_from_the_source_it_trusts_more():
     plan = controller.plan([RowOffer("a", can_self_draft=True, **SURE), RowOffer("b", can_self_draft=True, **WEAK)],
                            self_budget=4)
     assert (plan.lookup_lengths, plan.self_rows, plan.self_length) == ([4, 0], [False, True], 4)
+
+
+def test_a_row_keeps_its_lookup_draft_when_self_drafting_does_not_pay():
+    """Measured on Qwen at batch 1: rows whose lookup drafts were less likely than a self-draft
+    were set aside for self-drafting, which cost about a full step and so was not made; those
+    rows then drafted nothing at all."""
+    controller = trained(t0=0.25, t1=0.01, self_step=0.3, lookup_rate=0.5, self_rate=0.9)
+    offer = RowOffer("b", lookup=2, can_self_draft=True, lookup_probs=(0.5, 0.5), lookup_match=2)
+    plan = controller.plan([offer], self_budget=4)
+    assert (plan.lookup_lengths, plan.self_rows, plan.self_length) == ([2], [False], 0)
 
 
 def test_an_unused_source_is_retried_with_back_off():

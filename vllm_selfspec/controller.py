@@ -151,17 +151,20 @@ MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
 AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
 
 
+def agreement(probs: tuple[float, ...]) -> list[float]:
+    """Per lookup token, the share of the occurrences behind the previous token that agree on
+    this one (p_j / p_j-1)."""
+    return [p / previous for p, previous in zip(probs, (1.0, *probs))]
+
+
 def token_bins(source: str, probs: tuple[float, ...], match: int, length: int) -> list[tuple]:
-    """Each lookup draft token's calibration bin: its source, its match-length bucket, and the
-    share of the occurrences behind the previous token that agree on this one (p_j / p_j-1).
-    Without probabilities every token falls in one bin per source."""
+    """Each lookup draft token's calibration bin: its source, its match-length bucket and its
+    agreement bucket. Without probabilities every token falls in one bin per source."""
     if not probs:
         return [(source,)] * length
-    match_bucket, bins, previous = bisect.bisect_right(MATCH_EDGES, match), [], 1.0
-    for p in probs[:length]:
-        bins.append((source, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, p / previous)))
-        previous = p
-    return bins
+    match_bucket = bisect.bisect_right(MATCH_EDGES, match)
+    return [(source, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, share))
+            for share in agreement(probs[:length])]
 
 
 @dataclass
@@ -179,6 +182,11 @@ class RowOffer:
     @property
     def lookup_bins(self) -> list[tuple]:
         return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup)
+
+    def calibration(self, length: int, fallback: float) -> list[tuple[tuple, float]]:
+        """(bin, prior rate) of the first `length` lookup tokens, for `observe_draft`."""
+        shares = agreement(self.lookup_probs) or [fallback] * self.lookup
+        return list(zip(self.lookup_bins[:length], shares[:length]))
 
 
 @dataclass
@@ -227,7 +235,7 @@ class DraftController:
 
     def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int, bins=()) -> None:
         """What verification made of a row's draft from `source` (lookup, history or self),
-        with its lookup tokens' bins."""
+        with its lookup tokens' (bin, prior rate) pairs (`RowOffer.calibration`)."""
         overall = getattr(self, "self_draft" if source == "self" else source)
         overall.observe(drafted, accepted)
         if source != "self":
@@ -235,9 +243,9 @@ class DraftController:
             if key not in self._by_request:
                 self._by_request[key] = AcceptanceRate(prior=overall.rate, decay=0.95)
             self._by_request[key].observe(drafted, accepted)
-        for j, b in enumerate(bins[:min(accepted + 1, drafted)]):  # accepted ones, the first rejected
+        for j, (b, prior) in enumerate(bins[:min(accepted + 1, drafted)]):  # accepted, the first rejected
             if b not in self._by_bin:
-                self._by_bin[b] = AcceptanceRate(prior=overall.rate)
+                self._by_bin[b] = AcceptanceRate(prior=min(prior, 0.999))
             self._by_bin[b].observe(1, int(j < accepted))
 
     def forget(self, req_id: str) -> None:
@@ -250,13 +258,17 @@ class DraftController:
 
     def lookup_gains(self, offer: RowOffer) -> list[float]:
         """Expected tokens from each depth j of a row's lookup draft: the chance that its first
-        j tokens are all accepted, the product of each token's rate (by bin), scaled by how this
-        request's drafts fare against its source's. Never rises with depth."""
+        j tokens are all accepted, the product of each token's rate, scaled by how this
+        request's drafts fare against its source's. Never rises with depth. A token's rate is
+        its bin's; in a bin not seen yet, the share of occurrences that agree on the token
+        (suffix decoding's own estimate), not the source's overall rate, which weak drafts
+        drag down."""
         overall = getattr(self, offer.lookup_source).rate
         request = self.lookup_rate(offer.req_id, offer.lookup_source) / overall
+        shares = agreement(offer.lookup_probs) or [overall] * offer.lookup
         gains, gain = [], 1.0
-        for b in offer.lookup_bins:
-            rate = self._by_bin[b].rate if b in self._by_bin else overall
+        for b, share in zip(offer.lookup_bins, shares):
+            rate = self._by_bin[b].rate if b in self._by_bin else share
             gain *= min(rate * request, 0.999)
             gains.append(gain)
         return gains
@@ -264,29 +276,54 @@ class DraftController:
     # ---- what to do ---------------------------------------------------------------------
     def plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
         """Draft lengths for one step over these rows (every row that sampled a token)."""
-        lookup_lengths = [0] * len(offers)
         if not self.step.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup for o in offers], 0, False, [False] * len(offers))
         t0, (_, t_row, t_sampled) = self.step.coefficients()
         cost = [max(t_row + t_sampled * o.sampled, 1e-9) for o in offers]
-        # A plain step over these rows: one logit row each.
-        tokens, seconds = float(len(offers)), t0 + sum(t_row + t_sampled * o.sampled for o in offers)
-        # Each row drafts from the source it trusts more for its first token (self-drafts only
-        # once they have been measured).
+        plain_step = (float(len(offers)), t0 + sum(cost))  # (tokens, seconds): one logit row each
         gains = [self.lookup_gains(o) if o.lookup else [] for o in offers]
+        # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
+        # than a self-draft's. Two plans, lookup only and self-drafts for those rows with lookup
+        # for the rest; the faster is taken (so a row that self-drafting does not pay for keeps
+        # its lookup draft).
         a_self = self.self_draft.rate
         self_rows = [i for i, o in enumerate(offers) if o.can_self_draft and (
             not o.lookup or (self.self_step.samples and gains[i][0] < a_self))]
-        # Candidates, best gain/cost first: (-ratio, kind, row, depth). Within a source the
-        # ratio falls with depth, so a row's next token is queued only once its last is taken.
-        candidates = [(-gains[i][0] / cost[i], "lookup", i, 1)
-                      for i, offer in enumerate(offers) if offer.lookup and i not in self_rows]
         m = len(self_rows)
         self_token_cost = sum(cost[i] for i in self_rows) + self.self_step.predict((m,)) if m else 0.0
+        lookup_lengths, self_length, tokens, seconds = self._greedy(offers, gains, cost, plain_step)
         if m and self.self_step.samples and self_budget:
+            with_self = self._greedy(offers, gains, cost, plain_step, self_rows, self_budget, self_token_cost)
+            if with_self[1] and with_self[2] / with_self[3] > tokens / seconds:
+                lookup_lengths, self_length, tokens, seconds = with_self
+        explored = False
+        if m and self_length == 0 and self_budget:
+            self._idle_steps += 1
+            # Worth a retry only if the measured step cost leaves room: with every token
+            # accepted, would a self-draft beat the current rate? (Unmeasured: find out.)
+            could_pay = not self.self_step.samples or m / self_token_cost > tokens / seconds
+            if self._idle_steps >= self.explore_after and could_pay:  # one draft step; back off
+                self_length, explored, self._idle_steps = 1, True, 0
+                self.explore_after = min(2 * self.explore_after, 1024)
+                lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(lookup_lengths)]
+        elif self_length > 0:
+            self._idle_steps, self.explore_after = 0, 16
+        chosen = set(self_rows) if self_length else set()
+        return DraftPlan(lookup_lengths, self_length, explored, [i in chosen for i in range(len(offers))])
+
+    def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0):
+        """Add draft tokens, best gain per second first, while each beats the step's rate so
+        far. Returns (lookup lengths, self-draft length, tokens, seconds)."""
+        tokens, seconds = start
+        lookup_lengths, self_length = [0] * len(offers), 0
+        # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
+        # so a row's next token is queued only once its last is taken.
+        candidates = [(-gains[i][0] / cost[i], "lookup", i, 1)
+                      for i, offer in enumerate(offers) if offer.lookup and i not in self_rows]
+        m, a_self = len(self_rows), self.self_draft.rate
+        if m and self_budget:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
         heapq.heapify(candidates)
-        self_length = 0
         while candidates and -candidates[0][0] > tokens / seconds:
             _, kind, i, depth = heapq.heappop(candidates)
             if kind == "lookup":
@@ -299,16 +336,4 @@ class DraftController:
                 tokens, seconds = tokens + m * a_self**depth, seconds + self_token_cost
                 if depth < self_budget:
                     heapq.heappush(candidates, (-m * a_self ** (depth + 1) / self_token_cost, "self", -1, depth + 1))
-        explored = False
-        if m and self_length == 0 and self_budget:
-            self._idle_steps += 1
-            # Worth a retry only if the measured step cost leaves room: with every token
-            # accepted, would a self-draft beat the current rate? (Unmeasured: find out.)
-            could_pay = not self.self_step.samples or m / self_token_cost > tokens / seconds
-            if self._idle_steps >= self.explore_after and could_pay:  # one draft step; back off
-                self_length, explored, self._idle_steps = 1, True, 0
-                self.explore_after = min(2 * self.explore_after, 1024)
-        elif self_length > 0:
-            self._idle_steps, self.explore_after = 0, 16
-        chosen = set(self_rows) if self_length else set()
-        return DraftPlan(lookup_lengths, self_length, explored, [i in chosen for i in range(len(offers))])
+        return lookup_lengths, self_length, tokens, seconds

@@ -132,7 +132,8 @@ class SelfAdmgProposer:
         for i, offer, length in zip(rows, offers, plan.lookup_lengths):
             if length:
                 drafts[i] = [int(t) for t in found[i][1].tokens[:length]]
-                sources[i], bins[i] = found[i][0], offer.lookup_bins[:length]
+                sources[i] = found[i][0]
+                bins[i] = offer.calibration(length, getattr(self.controller, sources[i]).rate)
         self_rows = [i for i, chosen in zip(rows, plan.self_rows) if chosen]
         if plan.self_length and self_rows:
             if plan.explored:  # a retry: rows that have a mask, or one new row (one probe)
