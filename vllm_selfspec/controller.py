@@ -157,13 +157,16 @@ def agreement(probs: tuple[float, ...]) -> list[float]:
     return [p / previous for p, previous in zip(probs, (1.0, *probs))]
 
 
-def token_bins(source: str, probs: tuple[float, ...], match: int, length: int) -> list[tuple]:
-    """Each lookup draft token's calibration bin: its source, its match-length bucket and its
-    agreement bucket. Without probabilities every token falls in one bin per source."""
+def token_bins(source: str, probs: tuple[float, ...], match: int, length: int,
+               sampled: bool = False) -> list[tuple]:
+    """Each lookup draft token's calibration bin: its source, whether its row samples (a
+    sampled row accepts a token with the target's probability of it, a greedy row only if it
+    is the argmax: rates learned on one say little about the other), its match-length bucket
+    and its agreement bucket. Without probabilities, one bin per source and kind of row."""
     if not probs:
-        return [(source,)] * length
+        return [(source, sampled)] * length
     match_bucket = bisect.bisect_right(MATCH_EDGES, match)
-    return [(source, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, share))
+    return [(source, sampled, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, share))
             for share in agreement(probs[:length])]
 
 
@@ -181,7 +184,7 @@ class RowOffer:
 
     @property
     def lookup_bins(self) -> list[tuple]:
-        return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup)
+        return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup, self.sampled)
 
     def calibration(self, length: int, fallback: float) -> list[tuple[tuple, float]]:
         """(bin, prior rate) of the first `length` lookup tokens, for `observe_draft`."""
