@@ -291,13 +291,14 @@ def run_interleaved(methods: dict, model, args, prompts: tuple[dict, str], cells
         engines = {name: (llm, spec) for name, spec in methods.items()
                    if (llm := start_engine(name, spec, model, args, warmup, cells)) is not None}
         names = list(engines)
-        for key in (k for base in cell_keys(args, 0) for k in
-                    [(*base[:3], r) for r in range(args.repeat)]):
-            shift = key[3] % len(names)
-            for name in names[shift:] + names[:shift]:
-                llm, spec = engines[name]
-                cells.append(measure(llm, name, spec, args, cell_prompts, key))
-                cells[-1].peak_rss = rss.peak
+        for workload, batch, temperature, _ in cell_keys(args, 0):
+            for round in range(args.repeat):
+                shift = round % len(names)
+                for name in names[shift:] + names[:shift]:
+                    llm, spec = engines[name]
+                    key = (workload, batch, temperature, round)
+                    cells.append(measure(llm, name, spec, args, cell_prompts, key))
+                    cells[-1].peak_rss = rss.peak
             write_results(out, args, summarize(cells, args.baseline), [], cells, final=False)  # survives a stop
         for llm, _ in engines.values():
             stop_engine(llm)
@@ -323,10 +324,10 @@ def lossless_check(cell: Cell, plain: Cell | None) -> str:
 
 
 def merge_repeats(cells: list[Cell]) -> list[Cell]:
-    """One cell per (method, workload, batch, temperature), repeats summed: each rate is total
-    tokens over total time. Repeats run the engines in A B B A order, which cancels a linear
-    drift of the machine's speed (this shared VM's speed varied by up to 58% between two passes
-    of one engine within an hour, results/abba-2026-11-21)."""
+    """One cell per (method, workload, batch, temperature), rounds summed: each rate is total
+    tokens over total time. Rounds take turns (--interleave) or restart the engines in A B B A
+    order, against a drift of the machine's speed (this shared VM's speed varied by up to 58%
+    between two passes of one engine within an hour, results/abba-2026-11-21)."""
     merged: dict[tuple, Cell] = {}
     for c in cells:
         key = (c.method, c.workload, c.batch, c.temperature)

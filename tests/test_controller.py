@@ -73,7 +73,7 @@ def test_token_bins_by_match_length_and_agreement():
 def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere():
     controller = trained(t0=0.25, t1=0.03, self_step=0.5, lookup_rate=0.6, self_rate=0.5)
     for _ in range(40):  # weak one-token drafts fail and drag the source's rate down
-        controller.observe_draft("y", "lookup", 1, 0, RowOffer(**WEAK).calibration(1, 0.6))
+        controller.observe_draft("y", "lookup", 1, 0, controller.calibration(RowOffer(**WEAK)))
     assert controller.lookup.rate < 0.2
     gains = controller.lookup_gains(RowOffer("a", lookup=2, lookup_probs=(0.75, 0.75), lookup_match=5))
     assert gains == pytest.approx([0.75, 0.75 * 0.999])
@@ -214,8 +214,8 @@ WEAK = dict(lookup=1, lookup_probs=(0.5,), lookup_match=1)  # one token, one ear
 
 def with_learned_bins(controller):
     for _ in range(40):
-        controller.observe_draft("x", "lookup", 4, 4, RowOffer(**SURE).calibration(4, 0.6))
-        controller.observe_draft("y", "lookup", 1, 0, RowOffer(**WEAK).calibration(1, 0.6))
+        controller.observe_draft("x", "lookup", 4, 4, controller.calibration(RowOffer(**SURE)))
+        controller.observe_draft("y", "lookup", 1, 0, controller.calibration(RowOffer(**WEAK)))
     return controller
 
 
@@ -231,7 +231,7 @@ def test_rates_learned_on_greedy_rows_do_not_price_sampled_rows():
     rows draft tokens that half failed, and the cell ran at 0.85x."""
     controller = with_learned_bins(trained(t0=0.25, t1=0.03, self_step=0.5, lookup_rate=0.6, self_rate=0.5))
     for _ in range(40):
-        controller.observe_draft("z", "lookup", 4, 0, RowOffer(sampled=True, **SURE).calibration(4, 0.6))
+        controller.observe_draft("z", "lookup", 4, 0, controller.calibration(RowOffer(sampled=True, **SURE)))
     greedy, sampled = RowOffer("a", **SURE), RowOffer("b", sampled=True, **SURE)
     assert controller.lookup_gains(greedy)[0] > 0.9 and controller.lookup_gains(sampled)[0] < 0.1
 

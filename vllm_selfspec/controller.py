@@ -15,9 +15,9 @@ measured). A draft token at depth j from a source whose tokens are accepted with
 A plain step yields B tokens; each added draft token adds a**j expected tokens at the price of
 c_i (lookup) or c_i + e(m)/m per row (self-draft). A lookup draft says how sure each of its
 tokens is (how many earlier occurrences agree, how long a match they share), so its tokens are
-accepted with rates learned per such bin rather than one a per source (`token_bins`). Adding a token raises tokens/second exactly
-when its gain/cost ratio beats the current tokens/second, so the plan takes the best ratios
-while they do. With nothing worth drafting the plan is plain decoding.
+accepted with rates learned per such bin rather than one a per source (`token_bins`). Adding a
+token raises tokens/second exactly when its gain/cost ratio beats the current tokens/second, so
+the plan takes the best ratios while they do. With nothing worth drafting the plan is plain decoding.
 
 A source that is not used is not measured, so self-drafting, once it stops paying, is retried
 now and then (one draft step, on a back-off schedule), but only while its measured step cost
@@ -186,11 +186,6 @@ class RowOffer:
     def lookup_bins(self) -> list[tuple]:
         return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup, self.sampled)
 
-    def calibration(self, length: int, fallback: float) -> list[tuple[tuple, float]]:
-        """(bin, prior rate) of the first `length` lookup tokens, for `observe_draft`."""
-        shares = agreement(self.lookup_probs) or [fallback] * self.lookup
-        return list(zip(self.lookup_bins[:length], shares[:length]))
-
 
 @dataclass
 class DraftPlan:
@@ -219,7 +214,7 @@ class DraftController:
     # Lookup acceptance per request and source (prior: the source's overall rate): code and
     # prose differ a lot.
     _by_request: dict[tuple[str, str], AcceptanceRate] = field(default_factory=dict)
-    # Lookup acceptance per token bin (prior: the source's overall rate when first seen).
+    # Lookup acceptance per token bin (prior: the agreement share of its first token).
     _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
 
     # ---- what happened -----------------------------------------------------------------
@@ -238,7 +233,7 @@ class DraftController:
 
     def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int, bins=()) -> None:
         """What verification made of a row's draft from `source` (lookup, history or self),
-        with its lookup tokens' (bin, prior rate) pairs (`RowOffer.calibration`)."""
+        with its lookup tokens' (bin, prior rate) pairs (`calibration`)."""
         overall = getattr(self, "self_draft" if source == "self" else source)
         overall.observe(drafted, accepted)
         if source != "self":
@@ -259,19 +254,25 @@ class DraftController:
         rate = self._by_request.get((req_id, source))
         return rate.rate if rate else getattr(self, source).rate
 
+    def calibration(self, offer: RowOffer, length: int | None = None) -> list[tuple[tuple, float]]:
+        """(bin, prior rate) of an offer's first `length` lookup tokens (all by default). A
+        token's prior is the share of occurrences that agree on it (suffix decoding's own
+        estimate), or without probabilities its source's overall rate."""
+        length = offer.lookup if length is None else length
+        shares = agreement(offer.lookup_probs) or [getattr(self, offer.lookup_source).rate] * offer.lookup
+        return list(zip(offer.lookup_bins[:length], shares[:length]))
+
     def lookup_gains(self, offer: RowOffer) -> list[float]:
         """Expected tokens from each depth j of a row's lookup draft: the chance that its first
         j tokens are all accepted, the product of each token's rate, scaled by how this
         request's drafts fare against its source's. Never rises with depth. A token's rate is
-        its bin's; in a bin not seen yet, the share of occurrences that agree on the token
-        (suffix decoding's own estimate), not the source's overall rate, which weak drafts
-        drag down."""
+        its bin's; in a bin not seen yet, its prior (`calibration`), not the source's overall
+        rate, which weak drafts drag down."""
         overall = getattr(self, offer.lookup_source).rate
         request = self.lookup_rate(offer.req_id, offer.lookup_source) / overall
-        shares = agreement(offer.lookup_probs) or [overall] * offer.lookup
         gains, gain = [], 1.0
-        for b, share in zip(offer.lookup_bins, shares):
-            rate = self._by_bin[b].rate if b in self._by_bin else share
+        for b, prior in self.calibration(offer):
+            rate = self._by_bin[b].rate if b in self._by_bin else prior
             gain *= min(rate * request, 0.999)
             gains.append(gain)
         return gains

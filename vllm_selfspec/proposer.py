@@ -36,7 +36,7 @@ import torch
 from vllm_selfspec.admg import SkipMask, select_skip_mask
 from vllm_selfspec.controller import DraftController, DraftPlan, RowOffer
 from vllm_selfspec.layers import HeadIds, ResidualStream, draft_logits, similarity_sums
-from vllm_selfspec.lookup import OutputHistory, lookup_draft
+from vllm_selfspec.lookup import NO_DRAFT, OutputHistory, lookup_draft
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 
 # A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
@@ -83,7 +83,8 @@ class SelfAdmgProposer:
         self.controller = DraftController()
         self._stream: ResidualStream | None = None
         self._head_rows: torch.Tensor | None = None
-        self._drafted: dict[str, tuple[str, int, list]] = {}  # last step's drafts: source, length, bins
+        # Last step's drafts: source, length, and the lookup tokens' (bin, prior) pairs.
+        self._drafted: dict[str, tuple[str, int, list]] = {}
         self._history = (OutputHistory(self.options.lookup_history)
                          if self.options.lookup_ngram and self.options.lookup_history else None)
         self._step_end: float | None = None
@@ -122,10 +123,9 @@ class SelfAdmgProposer:
         rows = list(budgets)
         offers = []
         for i in rows:
-            source, draft = found.get(i, ("lookup", None))
-            offers.append(RowOffer(batch.req_ids[i], len(draft or ()), source, budgets[i] > 0,
-                                   self._samples(runner, batch.req_ids[i]),
-                                   draft.probs if draft else (), draft.match if draft else 0))
+            source, draft = found.get(i, ("lookup", NO_DRAFT))
+            offers.append(RowOffer(batch.req_ids[i], len(draft), source, budgets[i] > 0,
+                                   self._samples(runner, batch.req_ids[i]), draft.probs, draft.match))
         plan = self._plan(offers, max(budgets.values(), default=0))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         sources, bins = {}, {}
@@ -133,7 +133,7 @@ class SelfAdmgProposer:
             if length:
                 drafts[i] = [int(t) for t in found[i][1].tokens[:length]]
                 sources[i] = found[i][0]
-                bins[i] = offer.calibration(length, getattr(self.controller, sources[i]).rate)
+                bins[i] = self.controller.calibration(offer, length)
         self_rows = [i for i, chosen in zip(rows, plan.self_rows) if chosen]
         if plan.self_length and self_rows:
             if plan.explored:  # a retry: rows that have a mask, or one new row (one probe)
