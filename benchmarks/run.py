@@ -77,6 +77,19 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
     return methods
 
 
+def choose_methods(known: dict[str, dict | None], baseline: str, names: list[str] | None) -> dict[str, dict | None]:
+    """The baseline and the named methods (all by default). `NAME@K` is a method with draft
+    length K instead of the common K, to compare each method at its best length."""
+    chosen = {}
+    for name in [baseline, *(names or [n for n in known if n != baseline])]:
+        base, at, k = name.partition("@")
+        if base not in known or (at and not (k.isdigit() and int(k) > 0 and known[base])):
+            raise SystemExit(f"unknown method {name!r}: choose from {', '.join(known)}, optionally "
+                             f"with @K for a draft length K > 0 (speculative methods only), e.g. suffix@8")
+        chosen[name] = {**known[base], "num_speculative_tokens": int(k)} if at else known[base]
+    return chosen
+
+
 # Self-drafts as the paper makes them: no prompt lookup, always K, the whole LM head.
 PAPER = {"lookup_ngram": 0, "adaptive": False, "draft_vocab": 0}
 
@@ -498,7 +511,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", help="target model: an asset name or a directory")
     parser.add_argument("--draft-model", help="draft for vLLM's draft_model method")
     parser.add_argument("--dtype")
-    parser.add_argument("--methods", nargs="+", help="subset of methods to run (the baseline always runs)")
+    parser.add_argument("--methods", nargs="+",
+                        help="subset of methods to run (the baseline always runs); NAME@K runs NAME "
+                             f"with draft length K instead of {K}, e.g. suffix@8")
     parser.add_argument("--baseline", default="plain",
                         help="the method every speedup is measured against (default plain; say "
                              "suffix for a head-to-head run when memory holds only two engines)")
@@ -546,12 +561,7 @@ def main(argv=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model, draft = resolve_model(args.model), resolve_model(args.draft_model)
     prompts = assign_prompts({w: assets.load_prompts(w) for w in args.workloads}, args)
-    methods = method_configs(draft)
-    for name in [args.baseline, *(args.methods or [])]:
-        if name not in methods:
-            raise SystemExit(f"unknown method {name!r}: choose from {', '.join(methods)}")
-    if args.methods:
-        methods = {k: v for k, v in methods.items() if k == args.baseline or k in args.methods}
+    methods = choose_methods(method_configs(draft), args.baseline, args.methods)
     cells: list[Cell] = []
     if args.interleave:
         run_interleaved(methods, model, args, prompts, cells, out)

@@ -39,6 +39,18 @@ def test_repeats_pool_into_one_cell_per_method_and_cell():
     assert len(cells) == 4 and cells[1].seconds == 5.0  # the raw cells are left as they were
 
 
+def test_methods_are_chosen_by_name_with_an_optional_draft_length():
+    known = bench.method_configs(None)
+    chosen = bench.choose_methods(known, "plain", ["suffix@8", "self-admg"])
+    assert list(chosen) == ["plain", "suffix@8", "self-admg"]
+    assert chosen["suffix@8"] == {**known["suffix"], "num_speculative_tokens": 8}
+    assert chosen["self-admg"] == known["self-admg"] and known["suffix"]["num_speculative_tokens"] == bench.K
+    assert list(bench.choose_methods(known, "suffix", None))[0] == "suffix"  # all, baseline first
+    for bad in ("eagle", "suffix@0", "suffix@x", "plain@4"):
+        with pytest.raises(SystemExit, match="suffix@8"):
+            bench.choose_methods(known, "plain", [bad])
+
+
 @pytest.fixture(scope="module")
 def quick_run(tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")

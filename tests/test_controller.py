@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vllm_selfspec.controller import AcceptanceRate, DraftController, RowOffer, target_step_cost, token_bins
+from vllm_selfspec.controller import (AcceptanceRate, DraftController, RowOffer, drain_weights, target_step_cost,
+                                      token_bins)
 from vllm_selfspec.lookup import OutputHistory, lookup_draft, suffix_draft
 
 
@@ -96,17 +97,18 @@ def target_step_cost():
 
 def test_step_cost_fits_each_kind_of_work_and_ignores_idle_gaps():
     cost = target_step_cost()
-    # Decode steps of 1-8 rows, half of them sampling, and a few prefill chunks.
-    steps = [(0, n, s) for n in range(1, 9) for s in (0, n // 2)] + [(300, 1, 0), (120, 2, 1)]
-    for p, n, s in steps * 2:
-        cost.observe((p, n, s), 0.2 + 0.001 * p + 0.01 * n + 0.02 * s)
+    # Decode steps of 1-8 rows, half of them sampling, some verifying drafts, a few prefill chunks.
+    steps = ([(0, n, s, v) for n in range(1, 9) for s in (0, n // 2) for v in (0, n % 2)]
+             + [(300, 1, 0, 0), (120, 2, 1, 0)])
+    for p, n, s, v in steps * 2:
+        cost.observe((p, n, s, v), 0.2 + 0.001 * p + 0.01 * n + 0.02 * s + 0.05 * v)
     intercept, coef = cost.coefficients()
-    assert intercept == pytest.approx(0.2, rel=1e-2) and coef == pytest.approx([0.001, 0.01, 0.02], rel=5e-2)
-    cost.observe((0, 1, 0), 60.0)  # the engine sat idle between requests
-    assert cost.predict((0, 1, 0)) == pytest.approx(0.21, rel=1e-2)
-    for _ in range(3):  # but steps that really got slower are followed
-        cost.observe((0, 1, 0), 2.0)
-    assert cost.predict((0, 1, 0)) > 0.3
+    assert intercept == pytest.approx(0.2, rel=1e-2) and coef == pytest.approx([0.001, 0.01, 0.02, 0.05], rel=5e-2)
+    cost.observe((0, 1, 0, 0), 60.0)  # the engine sat idle between requests
+    assert cost.predict((0, 1, 0, 0)) == pytest.approx(0.21, rel=1e-2)
+    for _ in range(6):  # but steps that really got slower are followed
+        cost.observe((0, 1, 0, 0), 2.0)
+    assert cost.predict((0, 1, 0, 0)) > 0.3
 
 
 def test_step_cost_charges_an_always_sampling_workload_to_its_rows():
@@ -114,9 +116,10 @@ def test_step_cost_charges_an_always_sampling_workload_to_its_rows():
     price a sampled row right, and not make rows look free."""
     cost = target_step_cost()
     for n in [32, 64, 96, 128] * 3:
-        cost.observe((0, n, n), 0.3 + 0.015 * n)
-    intercept, (_, t_row, t_sampled) = cost.coefficients()
+        cost.observe((0, n, n, 1), 0.3 + 0.015 * n)  # and always verifying drafts
+    intercept, (_, t_row, t_sampled, t_verify) = cost.coefficients()
     assert t_row + t_sampled == pytest.approx(0.015, rel=1e-2) and t_row > 0.01
+    assert intercept + t_verify == pytest.approx(0.3, rel=1e-2) and t_verify < 0.01
 
 
 def test_step_cost_prompt_tokens_do_not_make_draft_tokens_look_cheap():
@@ -124,26 +127,27 @@ def test_step_cost_prompt_tokens_do_not_make_draft_tokens_look_cheap():
     logits, one big product). One slope for both priced drafts at the prompt rate."""
     cost = target_step_cost()
     for n in [32, 64, 96, 128] * 3:
-        cost.observe((0, n, 0), 0.3 + 0.012 * n)
+        cost.observe((0, n, 0, 0), 0.3 + 0.012 * n)
     for _ in range(3):
-        cost.observe((4000, 32, 0), 0.3 + 0.002 * 4000 + 0.012 * 32)
-    _, (t_prompt, t_row, _) = cost.coefficients()
+        cost.observe((4000, 32, 0, 0), 0.3 + 0.002 * 4000 + 0.012 * 32)
+    _, (t_prompt, t_row, _, _) = cost.coefficients()
     assert t_prompt == pytest.approx(0.002, rel=1e-2) and t_row == pytest.approx(0.012, rel=1e-2)
 
 
 def test_step_cost_without_spread_assumes_a_token_costs_a_tenth_of_a_step():
     cost = target_step_cost()
     for _ in range(10):
-        cost.observe((0, 4, 0), 0.28)
-    _, (_, t_row, _) = cost.coefficients()
-    assert 0.01 < t_row < 0.05 and cost.predict((0, 4, 0)) == pytest.approx(0.28)
+        cost.observe((0, 4, 0, 0), 0.28)
+    _, (_, t_row, _, _) = cost.coefficients()
+    assert 0.01 < t_row < 0.05 and cost.predict((0, 4, 0, 0)) == pytest.approx(0.28)
 
 
-def trained(t0, t1, self_step, lookup_rate, self_rate, t_sampled=0.0):
+def trained(t0, t1, self_step, lookup_rate, self_rate, t_sampled=0.0, t_verify=0.0):
     controller = DraftController()
     for n in [1, 3, 5, 8] * 4:
         controller.observe_step(0, n, 0, t0 + t1 * n)
         controller.observe_step(0, n, n, t0 + (t1 + t_sampled) * n)
+        controller.observe_step(0, n + 2, 0, t0 + t1 * (n + 2) + t_verify, verified=True)
     for rows in (1, 2):
         controller.observe_self_step(rows, 10 * self_step)  # the first at a shape: set-up, ignored
         controller.observe_self_step(rows, self_step)
@@ -195,6 +199,38 @@ def test_sampled_rows_draft_less_when_their_verification_costs_more():
     greedy = controller.plan(lookup_rows(4, 4), self_budget=0).lookup_lengths
     sampled = controller.plan(lookup_rows(4, 4, sampled=True), self_budget=0).lookup_lengths
     assert sum(sampled) < sum(greedy)
+
+
+def test_a_step_that_verifies_anything_pays_a_fixed_cost_once():
+    """vLLM's rejection sampler and its metadata run only in steps with drafts (43 ms of a
+    560 ms step at batch 32 here): a lone unsure token does not pay for it, a longer sure draft does."""
+    controller = trained(t0=0.1, t1=0.01, self_step=0.5, lookup_rate=0.5, self_rate=0.5, t_verify=0.05)
+    assert controller.step.coefficients()[1][3] == pytest.approx(0.05, rel=0.05)
+    assert controller.plan(lookup_rows(1), self_budget=0).lookup_lengths == [0]
+    free = trained(t0=0.1, t1=0.01, self_step=0.5, lookup_rate=0.5, self_rate=0.5)
+    assert free.plan(lookup_rows(1), self_budget=0).lookup_lengths == [1]
+    controller.lookup = AcceptanceRate(prior=0.9, decay=1.0)
+    assert controller.plan(lookup_rows(4), self_budget=0).lookup_lengths == [4]
+
+
+def test_drain_weights_credit_the_step_only_to_the_rows_that_finish_last():
+    # t0 = 0.32, c = 0.01, B = 4: a token is worth t0/B + c = 0.09 in the steady state.
+    weights = drain_weights([48, 46, 40, 30], t0=0.32, cost=[0.01] * 4)
+    assert weights == pytest.approx([(0.16 + 0.01) / 0.09] * 2 + [0.01 / 0.09] * 2)
+    assert drain_weights([None, 10], t0=0.32, cost=[0.01] * 2) == pytest.approx([0.33 / 0.17, 0.01 / 0.17])
+    assert drain_weights([7, 7], t0=0.32, cost=[0.01] * 2) == pytest.approx([1.0, 1.0])
+
+
+def test_a_draining_batch_drafts_only_in_the_rows_that_finish_last():
+    """Batch 32 on this CPU (t0 = 0.28 s, 8.8 ms a row): at acceptance 0.6 a draft token pays in
+    the steady state. In an offline batch that is finishing, the rows ahead would finish early
+    and free nothing: only the rows that set the batch's length draft."""
+    controller = trained(t0=0.28, t1=0.0088, self_step=0.5, lookup_rate=0.6, self_rate=0.6)
+    offers = [dataclasses.replace(o, remaining=48 if i < 4 else 36) for i, o in enumerate(lookup_rows(*[2] * 32))]
+    steady = controller.plan(offers, self_budget=0).lookup_lengths
+    draining = controller.plan(offers, self_budget=0, draining=True).lookup_lengths
+    assert all(n > 0 for n in steady)
+    assert all(n > 0 for n in draining[:4]) and draining[4:] == [0] * 28
 
 
 def test_lookup_acceptance_is_learned_per_request():

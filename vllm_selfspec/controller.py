@@ -3,13 +3,16 @@
 Pure arithmetic, no vLLM (unit-tested in tests/test_controller.py). The proposer feeds it what
 it observes and asks it, every step, how long each row's draft should be.
 
-Model. A step's time is linear in what it computes (fitted online to every step, `StepCost`):
-    T = t0 + t_prompt * prompt tokens + t_row * logit rows + t_sampled * sampled logit rows.
+Model. A step's time is linear in what it computes (fitted online to every step, `LinearCost`):
+    T = t0 + t_prompt * prompt tokens + t_row * logit rows + t_sampled * sampled logit rows
+           + t_verify * (1 if the step verifies any draft).
 A logit row is a position whose logits are computed: one per request, plus one per draft token.
 Prompt tokens need no logits and run as one big matrix product, so they are cheaper than a
 verified draft token and get their own coefficient; rows that sample (temperature > 0) pay the
-rejection sampler's softmax over the vocabulary on top. So a draft token in row i costs
-c_i = t_row (+ t_sampled). A self-draft step over m rows takes e(m) seconds (`self_step`,
+rejection sampler's softmax over the vocabulary on top; a step that verifies any draft at all
+runs vLLM's rejection sampler and its metadata, a fixed t_verify (43 ms of a 560 ms step at
+batch 32 on Qwen-1.5B here, `benchmarks/step_costs.py`). So a draft token in row i costs
+c_i = t_row (+ t_sampled), and a plan with any draft pays t_verify once. A self-draft step over m rows takes e(m) seconds (`self_step`,
 measured). A draft token at depth j from a source whose tokens are accepted with probability a
 (prompt lookup per request, self-draft overall, each measured) is emitted with probability a**j.
 A plain step yields B tokens; each added draft token adds a**j expected tokens at the price of
@@ -17,7 +20,17 @@ c_i (lookup) or c_i + e(m)/m per row (self-draft). A lookup draft says how sure 
 tokens is (how many earlier occurrences agree, how long a match they share), so its tokens are
 accepted with rates learned per such bin rather than one a per source (`token_bins`). Adding a
 token raises tokens/second exactly when its gain/cost ratio beats the current tokens/second, so
-the plan takes the best ratios while they do. With nothing worth drafting the plan is plain decoding.
+the plan takes the best ratios while they do, and is kept only if it beats plain decoding with
+t_verify paid. With nothing worth drafting the plan is plain decoding.
+
+Draining batches. That model values a row's accepted token as the step time it frees for
+someone else: t0/B + c_i. When no request has been admitted for a while (an offline batch
+finishing), a freed slot stays empty and the batch lasts as long as its longest rows. A token
+accepted in a row that will finish before them then only saves its own verification later (c_i:
+drafting there pays only if always accepted), and a token in one of the m rows that finish last
+brings the end nearer by t0/m on top (`drain_weights`). Without this, at batch 32 every row
+drafted, the rows that never found a draft set the batch's length anyway, and the rejected draft
+tokens of the others were pure cost (0.85-0.94x plain).
 
 A source that is not used is not measured, so self-drafting, once it stops paying, is retried
 now and then (one draft step, on a back-off schedule), but only while its measured step cost
@@ -136,10 +149,11 @@ class LinearCost:
 
 
 def target_step_cost() -> LinearCost:
-    """A target step: features (prompt tokens, logit rows, sampled logit rows). Sampling is
-    assumed free until seen to cost, and pulled hardest to that: a workload that always samples
-    charges its cost to every row (the safe side), not to a greedy row it never saw."""
-    return LinearCost(prior_share=(0.1, 0.1, 0.0), ridge=(1e-4, 1e-4, 1e-2))
+    """A target step: features (prompt tokens, logit rows, sampled logit rows, verifies any
+    draft). Sampling and verification are assumed free until seen to cost, and pulled hardest to
+    that: a workload that always samples charges its cost to every row (the safe side), not to a
+    greedy row it never saw, and one that always drafts charges verification to t0."""
+    return LinearCost(prior_share=(0.1, 0.1, 0.0, 0.0), ridge=(1e-4, 1e-4, 1e-2, 1e-2))
 
 
 def self_step_cost() -> LinearCost:
@@ -181,6 +195,7 @@ class RowOffer:
     sampled: bool = False  # temperature > 0: verifying its drafts costs a softmax each
     lookup_probs: tuple[float, ...] = ()  # per lookup token, see vllm_selfspec.lookup
     lookup_match: int = 0
+    remaining: int | None = None  # tokens the request may still emit (None: no limit known)
 
     @property
     def lookup_bins(self) -> list[tuple]:
@@ -218,8 +233,9 @@ class DraftController:
     _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
 
     # ---- what happened -----------------------------------------------------------------
-    def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float) -> None:
-        self.step.observe((prompt_tokens, logit_rows, sampled_rows), seconds)
+    def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float,
+                     verified: bool = False) -> None:
+        self.step.observe((prompt_tokens, logit_rows, sampled_rows, verified), seconds)
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
         # The first draft step at each batch shape pays one-off set-up (kernel primitives for
@@ -278,13 +294,15 @@ class DraftController:
         return gains
 
     # ---- what to do ---------------------------------------------------------------------
-    def plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
-        """Draft lengths for one step over these rows (every row that sampled a token)."""
+    def plan(self, offers: list[RowOffer], self_budget: int, draining: bool = False) -> DraftPlan:
+        """Draft lengths for one step over these rows (every row that sampled a token);
+        `draining`: no request admitted lately, so rows that finish early free nothing."""
         if not self.step.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup for o in offers], 0, False, [False] * len(offers))
-        t0, (_, t_row, t_sampled) = self.step.coefficients()
+        t0, (_, t_row, t_sampled, t_verify) = self.step.coefficients()
         cost = [max(t_row + t_sampled * o.sampled, 1e-9) for o in offers]
         plain_step = (float(len(offers)), t0 + sum(cost))  # (tokens, seconds): one logit row each
+        weights = drain_weights([o.remaining for o in offers], t0, cost) if draining else [1.0] * len(offers)
         gains = [self.lookup_gains(o) if o.lookup else [] for o in offers]
         # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
         # than a self-draft's. Two plans, lookup only and self-drafts for those rows with lookup
@@ -295,11 +313,20 @@ class DraftController:
             not o.lookup or (self.self_step.samples and gains[i][0] < a_self))]
         m = len(self_rows)
         self_token_cost = sum(cost[i] for i in self_rows) + self.self_step.predict((m,)) if m else 0.0
-        lookup_lengths, self_length, tokens, seconds = self._greedy(offers, gains, cost, plain_step)
+        # Tokens are counted in steady-state units: a row's gains times its weight.
+        gains = [[g * w for g in row] for row, w in zip(gains, weights)]
+        self_weight = sum(weights[i] for i in self_rows)
+        # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
+        # the plan only if it beats plain decoding.
+        verifying = (plain_step[0], plain_step[1] + t_verify)
+        lookup_lengths, self_length, tokens, seconds = self._greedy(offers, gains, cost, verifying)
         if m and self.self_step.samples and self_budget:
-            with_self = self._greedy(offers, gains, cost, plain_step, self_rows, self_budget, self_token_cost)
+            with_self = self._greedy(offers, gains, cost, verifying, self_rows, self_budget,
+                                     self_token_cost, self_weight)
             if with_self[1] and with_self[2] / with_self[3] > tokens / seconds:
                 lookup_lengths, self_length, tokens, seconds = with_self
+        if tokens / seconds <= plain_step[0] / plain_step[1]:
+            lookup_lengths, self_length, tokens, seconds = [0] * len(offers), 0, *plain_step
         explored = False
         if m and self_length == 0 and self_budget:
             self._idle_steps += 1
@@ -315,17 +342,19 @@ class DraftController:
         chosen = set(self_rows) if self_length else set()
         return DraftPlan(lookup_lengths, self_length, explored, [i in chosen for i in range(len(offers))])
 
-    def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0):
+    def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0,
+                self_weight=0.0):
         """Add draft tokens, best gain per second first, while each beats the step's rate so
-        far. Returns (lookup lengths, self-draft length, tokens, seconds)."""
+        far. `self_weight`: the self-draft rows' summed weights (their count when not
+        draining). Returns (lookup lengths, self-draft length, tokens, seconds)."""
         tokens, seconds = start
         lookup_lengths, self_length = [0] * len(offers), 0
         # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
         # so a row's next token is queued only once its last is taken.
         candidates = [(-gains[i][0] / cost[i], "lookup", i, 1)
                       for i, offer in enumerate(offers) if offer.lookup and i not in self_rows]
-        m, a_self = len(self_rows), self.self_draft.rate
-        if m and self_budget:
+        m, a_self = self_weight, self.self_draft.rate
+        if self_rows and self_budget:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
         heapq.heapify(candidates)
         while candidates and -candidates[0][0] > tokens / seconds:
@@ -341,3 +370,13 @@ class DraftController:
                 if depth < self_budget:
                     heapq.heappush(candidates, (-m * a_self ** (depth + 1) / self_token_cost, "self", -1, depth + 1))
         return lookup_lengths, self_length, tokens, seconds
+
+
+def drain_weights(remaining: list[int | None], t0: float, cost: list[float], slack: int = 4) -> list[float]:
+    """What a token accepted in each row is worth while the batch drains, relative to the
+    steady state's t0/B + c_i (module docstring). The rows that finish last are those with the
+    most tokens left, within `slack` (rows with no known limit count as last)."""
+    left = [float("inf") if r is None else r for r in remaining]
+    last = [r >= max(left) - slack for r in left]
+    m, b = sum(last), len(left)
+    return [((t0 / m if is_last else 0.0) + c) / (t0 / b + c) for is_last, c in zip(last, cost)]

@@ -39,6 +39,10 @@ from vllm_selfspec.layers import HeadIds, ResidualStream, draft_logits, similari
 from vllm_selfspec.lookup import NO_DRAFT, OutputHistory, lookup_draft
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 
+# Steps without a request admitted after which the batch counts as draining: a row that
+# finishes early frees a slot nobody takes (vllm_selfspec.controller, draining batches).
+DRAIN_AFTER_STEPS = 4
+
 # A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
 logger = logging.getLogger("vllm.selfspec")
 
@@ -88,6 +92,7 @@ class SelfAdmgProposer:
         self._history = (OutputHistory(self.options.lookup_history)
                          if self.options.lookup_ngram and self.options.lookup_history else None)
         self._step_end: float | None = None
+        self._steps_since_admission = 0
 
     # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
     # kept under another name than `model`: the runner treats `drafter.model` as a separate draft
@@ -124,8 +129,10 @@ class SelfAdmgProposer:
         offers = []
         for i in rows:
             source, draft = found.get(i, ("lookup", NO_DRAFT))
+            request = runner.requests[batch.req_ids[i]]
             offers.append(RowOffer(batch.req_ids[i], len(draft), source, budgets[i] > 0,
-                                   self._samples(runner, batch.req_ids[i]), draft.probs, draft.match))
+                                   self._samples(runner, batch.req_ids[i]), draft.probs, draft.match,
+                                   self._tokens_left(request)))
         plan = self._plan(offers, max(budgets.values(), default=0))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         sources, bins = {}, {}
@@ -155,13 +162,16 @@ class SelfAdmgProposer:
         (prompt chunks included: under load few steps are decode-only), and what became of
         last step's drafts."""
         now = time.perf_counter()
+        admitted = scheduler_output.scheduled_new_reqs or scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        self._steps_since_admission = 0 if admitted else self._steps_since_admission + 1
         if self._step_end is not None and scheduler_output.total_num_scheduled_tokens:
             spec = scheduler_output.scheduled_spec_decode_tokens
             rows = {r: 1 + len(spec.get(r, ())) for r in scheduler_output.num_scheduled_tokens}
             logit_rows = sum(rows.values())
             sampled_rows = sum(n for r, n in rows.items() if self._samples(runner, r))
             prompt_tokens = max(scheduler_output.total_num_scheduled_tokens - logit_rows, 0)
-            self.controller.observe_step(prompt_tokens, logit_rows, sampled_rows, now - self._step_end)
+            self.controller.observe_step(prompt_tokens, logit_rows, sampled_rows, now - self._step_end,
+                                         verified=logit_rows > len(rows))
             self.counters.steps.append((prompt_tokens, logit_rows, sampled_rows,
                                         logit_rows - len(rows), now - self._step_end))
         self._step_end = None
@@ -186,20 +196,25 @@ class SelfAdmgProposer:
         Timing differs between tensor-parallel ranks, so rank 0's plan is the one used."""
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
-        plan = self.controller.plan(offers, self_budget)
+        draining = self._steps_since_admission > DRAIN_AFTER_STEPS
+        plan = self.controller.plan(offers, self_budget, draining)
         shared = same_on_all_ranks(torch.tensor(
             [plan.self_length, plan.explored, *plan.lookup_lengths, *plan.self_rows], device=self._device)).tolist()
         n = len(offers)
         return DraftPlan(shared[2:2 + n], shared[0], bool(shared[1]), [bool(x) for x in shared[2 + n:]])
 
+    @staticmethod
+    def _tokens_left(request) -> int | None:
+        params = request.sampling_params
+        if params is None or params.max_tokens is None:
+            return None
+        return params.max_tokens - len(request.output_token_ids)
+
     def _draft_budget(self, request) -> int:
         """How many draft tokens can still be used: verification emits accepted drafts plus one
         token, so a request with r tokens left can use at most r - 1."""
-        params = request.sampling_params
-        if params is None or params.max_tokens is None:
-            return self.num_speculative_tokens
-        remaining = params.max_tokens - len(request.output_token_ids)
-        return max(0, min(self.num_speculative_tokens, remaining - 1))
+        left = self._tokens_left(request)
+        return self.num_speculative_tokens if left is None else max(0, min(self.num_speculative_tokens, left - 1))
 
     def forget(self, req_id: str, request=None) -> None:
         """The runner dropped this request (finished or aborted): drop its mask and rates, and
