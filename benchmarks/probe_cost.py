@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--dataset", default="humaneval", choices=["humaneval", "news"])
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    model = str(assets.model_path(args.model)) if args.model in assets.ASSETS else args.model
+    model = assets.model_or_path(args.model)
     prompts = assets.load_prompts(args.dataset, limit=args.prompts)
     common = dict(model=model, dtype=args.dtype, max_model_len=4096, max_num_seqs=1,
                   kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False)

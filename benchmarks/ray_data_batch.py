@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     from vllm_selfspec import assets
 
     args = parse_args(argv)
-    model = str(assets.model_path(args.model)) if args.model in assets.ASSETS else args.model
+    model = assets.model_or_path(args.model)
     prompts = assets.load_prompts(args.workload, limit=args.prompts)
     sampling = dict(temperature=0, max_tokens=args.max_tokens)
     engine = dict(dtype=args.dtype, max_model_len=2048, kv_cache_memory_bytes=1 << 30)

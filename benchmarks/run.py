@@ -545,21 +545,14 @@ def parse_args(argv=None):
     return args
 
 
-def resolve_model(name: str | None) -> str | None:
-    from vllm_selfspec import assets
-
-    if name is None:
-        return None
-    return str(assets.model_path(name)) if name in assets.ASSETS else name
-
-
 def main(argv=None) -> Path:
     from vllm_selfspec import assets
 
     args = parse_args(argv)
     out = args.out or RESULTS_DIR / dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    model, draft = resolve_model(args.model), resolve_model(args.draft_model)
+    model = assets.model_or_path(args.model)
+    draft = assets.model_or_path(args.draft_model) if args.draft_model else None
     prompts = assign_prompts({w: assets.load_prompts(w) for w in args.workloads}, args)
     methods = choose_methods(method_configs(draft), args.baseline, args.methods)
     cells: list[Cell] = []

@@ -120,7 +120,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "selection-quality")
     args = parser.parse_args(argv)
-    path = assets.model_path(args.model) if args.model in assets.ASSETS else args.model
+    path = assets.model_or_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     skipper = Skipper(model)

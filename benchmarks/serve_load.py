@@ -284,7 +284,7 @@ def main(argv=None) -> Path:
     args = parse_args(argv)
     out = args.out or RESULTS_DIR / dt.datetime.now().strftime("serve-%Y-%m-%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    model = assets.model_path(args.model) if args.model in assets.ASSETS else args.model
+    model = assets.model_or_path(args.model)
     # Every request gets a prompt of its own: a server that drafts from earlier answers (vLLM's
     # suffix method, self-admg's history lookup) would otherwise copy its answer to a repeat.
     names = ["humaneval", "news"] if args.workload == "mixed" else [args.workload]

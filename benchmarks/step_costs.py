@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--spec", default='{"method": "self-admg", "num_speculative_tokens": 4}')
     args = parser.parse_args(argv)
-    model = str(assets.model_path(args.model)) if args.model in assets.ASSETS else args.model
+    model = assets.model_or_path(args.model)
     prompts = assets.load_prompts(args.workload)
     warmup, batches = prompts[:args.batch], [prompts[args.batch * i:args.batch * (i + 1)] for i in (1, 2)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)

@@ -7,7 +7,8 @@ process with a clear message instead of patching code it was not written for.
 - front_door: the `self-admg` spellings (--speculative-config, --spec-method, the legacy
   --speculative-model/--num-speculative-tokens, LLM(speculative_config=...)) and option checks.
 - lookahead: the scheduler reserves K KV slots past the verified range for the draft's KV.
-- runner_hook: the model runner hands our proposer what it needs (runner, attention metadata).
+- runner_hook: the model runner hands our proposer what it needs (runner, attention metadata),
+  and a step with no draft to verify is sampled as plain decoding samples it.
 - cpu_expand_kernel: vLLM 0.32's CPU rejection sampler bug (lossy at temperature > 0).
 - cpu_empty_top_k: vLLM 0.32's CPU top-k crash on a speculative step with no draft tokens.
 - cpu_seeded_prefill: vLLM 0.32's CPU crash on a seeded request whose prefill is chunked.

@@ -389,6 +389,12 @@ def model_path(
     return _build_once(asset, target, build)
 
 
+def model_or_path(name: str) -> str:
+    """A model argument as given on a command line: an asset name (fetched if needed) or a
+    directory or hub id, passed through."""
+    return str(model_path(name)) if name in ASSETS else name
+
+
 def data_path(
     name: str,
     cache_dir: str | os.PathLike[str] | None = None,
