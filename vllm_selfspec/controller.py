@@ -12,9 +12,10 @@ verified draft token and get their own coefficient; rows that sample (temperatur
 rejection sampler's softmax over the vocabulary on top; a step that verifies any draft at all
 runs vLLM's rejection sampler and its metadata, a fixed t_verify (43 ms of a 560 ms step at
 batch 32 on Qwen-1.5B here, `benchmarks/step_costs.py`). So a draft token in row i costs
-c_i = t_row (+ t_sampled), and a plan with any draft pays t_verify once. A self-draft step over m rows takes e(m) seconds (`self_step`,
-measured). A draft token at depth j from a source whose tokens are accepted with probability a
-(prompt lookup per request, self-draft overall, each measured) is emitted with probability a**j.
+c_i = t_row (+ t_sampled), and a plan with any draft pays t_verify once. A self-draft step over
+m rows takes e(m) seconds (`self_step`, measured). A draft token at depth j from a source
+whose tokens are accepted with probability a (prompt lookup per request, self-draft overall,
+each measured) is emitted with probability a**j.
 A plain step yields B tokens; each added draft token adds a**j expected tokens at the price of
 c_i (lookup) or c_i + e(m)/m per row (self-draft). A lookup draft says how sure each of its
 tokens is (how many earlier occurrences agree, how long a match they share), so its tokens are
@@ -106,7 +107,8 @@ class LinearCost:
             if self.outliers_in_a_row < 3:
                 return
         self.outliers_in_a_row = 0
-        s = self._sums or dict(w=0.0, x=np.zeros_like(x), xx=np.zeros((len(x), len(x))), y=0.0, xy=np.zeros_like(x))
+        s = self._sums or dict(w=0.0, x=np.zeros_like(x), xx=np.zeros((len(x), len(x))),
+                               y=0.0, xy=np.zeros_like(x))
         for key in s:
             s[key] = s[key] * self.decay
         s["w"] += 1
@@ -353,9 +355,9 @@ class DraftController:
         # so a row's next token is queued only once its last is taken.
         candidates = [(-gains[i][0] / cost[i], "lookup", i, 1)
                       for i, offer in enumerate(offers) if offer.lookup and i not in self_rows]
-        m, a_self = self_weight, self.self_draft.rate
+        a_self = self.self_draft.rate
         if self_rows and self_budget:
-            candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
+            candidates.append((-self_weight * a_self / self_token_cost, "self", -1, 1))
         heapq.heapify(candidates)
         while candidates and -candidates[0][0] > tokens / seconds:
             _, kind, i, depth = heapq.heappop(candidates)
@@ -366,9 +368,10 @@ class DraftController:
                     heapq.heappush(candidates, (-gains[i][depth] / cost[i], "lookup", i, depth + 1))
             else:
                 self_length = depth
-                tokens, seconds = tokens + m * a_self**depth, seconds + self_token_cost
+                tokens, seconds = tokens + self_weight * a_self**depth, seconds + self_token_cost
                 if depth < self_budget:
-                    heapq.heappush(candidates, (-m * a_self ** (depth + 1) / self_token_cost, "self", -1, depth + 1))
+                    gain = self_weight * a_self ** (depth + 1)
+                    heapq.heappush(candidates, (-gain / self_token_cost, "self", -1, depth + 1))
         return lookup_lengths, self_length, tokens, seconds
 
 

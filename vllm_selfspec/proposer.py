@@ -115,8 +115,9 @@ class SelfAdmgProposer:
         self._learn(runner, scheduler_output, sampled_token_ids, batch.req_ids)
         # Rows that sampled a token this step, with how many draft tokens each can still use
         # (a draft for a request that is about to hit max_tokens would be thrown away).
-        budgets = {i: self._draft_budget(runner.requests[batch.req_ids[i]])
-                   for i, tokens in enumerate(sampled_token_ids) if tokens}
+        left = {i: self._tokens_left(runner.requests[batch.req_ids[i]])
+                for i, tokens in enumerate(sampled_token_ids) if tokens}
+        budgets = {i: self._draft_budget(tokens_left) for i, tokens_left in left.items()}
         found = {}  # row: (lookup source, LookupDraft)
         if self.options.lookup_ngram:
             for i, budget in budgets.items():
@@ -129,10 +130,9 @@ class SelfAdmgProposer:
         offers = []
         for i in rows:
             source, draft = found.get(i, ("lookup", NO_DRAFT))
-            request = runner.requests[batch.req_ids[i]]
-            offers.append(RowOffer(batch.req_ids[i], len(draft), source, budgets[i] > 0,
-                                   self._samples(runner, batch.req_ids[i]), draft.probs, draft.match,
-                                   self._tokens_left(request)))
+            req_id = batch.req_ids[i]
+            offers.append(RowOffer(req_id, len(draft), source, budgets[i] > 0, self._samples(runner, req_id),
+                                   draft.probs, draft.match, left[i]))
         plan = self._plan(offers, max(budgets.values(), default=0))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         sources, bins = {}, {}
@@ -162,7 +162,8 @@ class SelfAdmgProposer:
         (prompt chunks included: under load few steps are decode-only), and what became of
         last step's drafts."""
         now = time.perf_counter()
-        admitted = scheduler_output.scheduled_new_reqs or scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        admitted = (scheduler_output.scheduled_new_reqs
+                    or scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         self._steps_since_admission = 0 if admitted else self._steps_since_admission + 1
         if self._step_end is not None and scheduler_output.total_num_scheduled_tokens:
             spec = scheduler_output.scheduled_spec_decode_tokens
@@ -205,16 +206,17 @@ class SelfAdmgProposer:
 
     @staticmethod
     def _tokens_left(request) -> int | None:
+        """Tokens a request may still generate before max_tokens (None: no limit)."""
         params = request.sampling_params
         if params is None or params.max_tokens is None:
             return None
         return params.max_tokens - len(request.output_token_ids)
 
-    def _draft_budget(self, request) -> int:
+    def _draft_budget(self, tokens_left: int | None) -> int:
         """How many draft tokens can still be used: verification emits accepted drafts plus one
         token, so a request with r tokens left can use at most r - 1."""
-        left = self._tokens_left(request)
-        return self.num_speculative_tokens if left is None else max(0, min(self.num_speculative_tokens, left - 1))
+        k = self.num_speculative_tokens
+        return k if tokens_left is None else max(0, min(k, tokens_left - 1))
 
     def forget(self, req_id: str, request=None) -> None:
         """The runner dropped this request (finished or aborted): drop its mask and rates, and
