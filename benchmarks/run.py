@@ -90,8 +90,9 @@ def choose_methods(known: dict[str, dict | None], baseline: str, names: list[str
     return chosen
 
 
-# Self-drafts as the paper makes them: no prompt lookup, always K, the whole LM head.
-PAPER = {"lookup_ngram": 0, "adaptive": False, "draft_vocab": 0}
+# Self-drafts as the paper makes them: no prompt lookup, always K, the whole LM head,
+# similarities over the whole prompt.
+PAPER = {"lookup_ngram": 0, "adaptive": False, "draft_vocab": 0, "stats_window": 0}
 
 
 def ablation_configs() -> dict[str, dict]:

@@ -53,7 +53,12 @@ def main(argv=None) -> None:
         print(f"{name}: {tokens / seconds:.1f} tok/s, {seconds / (2 * args.max_tokens) * 1000:.0f} ms "
               f"per plain-equivalent step", flush=True)
         if spec:
-            steps = np.array(llm.collective_rpc(proposer_report)[0]["steps"], dtype=float)
+            report = llm.collective_rpc(proposer_report)[0]
+            steps = np.array(report["steps"], dtype=float)
+            print(f"logged steps: {len(steps)} ({steps[:, 4].sum():.1f} s, {(steps[:, 0] > 0).sum()} with "
+                  f"prompt tokens); probes: {report['prompts_measured']} prompts, {report['probe_seconds']:.1f} s; "
+                  f"self-drafts: {report['draft_steps']} steps, {report['draft_seconds']:.1f} s; "
+                  f"lookup tokens: {report['lookup_tokens']}")
             decode = steps[steps[:, 0] == 0]  # steps without prompt tokens
             print("draft tokens in step | steps | mean rows | mean ms")
             for low, high in ((0, 0), (1, 1), (2, 4), (5, 16), (17, 10**6)):

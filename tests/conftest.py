@@ -123,6 +123,7 @@ def mixed_options(tiny_reference) -> dict:
     return {"method": "self-admg", "num_speculative_tokens": 3, "keep_edge_layers": 0,
             "fill_gaps": 0, "attention_threshold": attention_threshold,
             "mlp_threshold": mlp_threshold, "draft_exit_threshold": 0.3, **SELF_DRAFTS_ONLY,
+            "stats_window": 0,  # the whole prompt, as the reference measures it
             "draft_vocab": 128}  # of 512: drafts score a quarter of the vocabulary plus the context
 
 

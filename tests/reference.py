@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 
-def hf_similarities(model_path, prompts_token_ids) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per prompt: mean over its tokens of cos(h, h + attn) and cos(h', h' + mlp) per layer,
-    from hooks on a float32 transformers model."""
+def hf_similarities(model_path, prompts_token_ids, window: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per prompt: mean over its tokens (its last `window` tokens, if set) of cos(h, h + attn)
+    and cos(h', h' + mlp) per layer, from hooks on a float32 transformers model."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -31,7 +31,7 @@ def hf_similarities(model_path, prompts_token_ids) -> list[tuple[np.ndarray, np.
                 model(torch.tensor([ids]))
             attn, mlp = [], []
             for h, a, m in zip(captured["in"], captured["attn"], captured["mlp"]):
-                h, a, m = h[0].double(), a[0].double(), m[0].double()
+                h, a, m = (x[0, -window:].double() for x in (h, a, m))
                 attn.append(torch.cosine_similarity(h, h + a, dim=-1).mean().item())
                 mid = h + a
                 mlp.append(torch.cosine_similarity(mid, mid + m, dim=-1).mean().item())

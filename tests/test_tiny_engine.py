@@ -14,8 +14,10 @@ from conftest import (
     spec_counters,
     token_ids,
 )
+from reference import hf_similarities
 from vllm import SamplingParams
 
+from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.proposer import prompt_key
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -59,6 +61,24 @@ def test_skip_nothing_accepts_every_draft(admg_none, tiny_prompt_ids, plain_ids)
     assert drafted > 0 and accepted == drafted
     report = proposer_report(admg_none)
     assert all(not any(m["skip_attention"] + m["skip_mlp"]) for m in report["measurements"])
+
+
+def test_default_window_measures_the_last_prompt_tokens(admg_none, tiny_model_path, tiny_prompt_ids):
+    """By default the probe measures each prompt's last `stats_window` tokens only (reading
+    the rest from the KV cache): the same numbers as transformers over those tokens, and not
+    the whole prompt's."""
+    window = SelfAdmgOptions().stats_window
+    assert any(len(ids) > 2 * window for ids in tiny_prompt_ids)
+    generate(admg_none, tiny_prompt_ids, SamplingParams(max_tokens=4, temperature=0))
+    measured = {m["prompt_key"]: m for m in proposer_report(admg_none)["measurements"]}
+    windowed = hf_similarities(tiny_model_path, tiny_prompt_ids, window=window)
+    whole = hf_similarities(tiny_model_path, tiny_prompt_ids)
+    for ids, (attn, mlp), (whole_attn, _) in zip(tiny_prompt_ids, windowed, whole):
+        m = measured[prompt_key(ids)]
+        np.testing.assert_allclose(m["attention_similarity"], attn, atol=1e-4)
+        np.testing.assert_allclose(m["mlp_similarity"], mlp, atol=1e-4)
+        if len(ids) > 2 * window:
+            assert np.abs(np.array(m["attention_similarity"]) - whole_attn).max() > 1e-3
 
 
 def test_skip_everything_is_still_exact(admg_all, tiny_prompt_ids, plain_ids):
