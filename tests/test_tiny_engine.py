@@ -63,7 +63,8 @@ def test_skip_nothing_accepts_every_draft(admg_none, tiny_prompt_ids, plain_ids)
     assert all(not any(m["skip_attention"] + m["skip_mlp"]) for m in report["measurements"])
 
 
-def test_default_window_measures_the_last_prompt_tokens(admg_none, tiny_model_path, tiny_prompt_ids):
+def test_default_window_measures_the_last_prompt_tokens(admg_none, tiny_model_path, tiny_prompt_ids,
+                                                        tiny_reference):
     """By default the probe measures each prompt's last `stats_window` tokens only (reading
     the rest from the KV cache): the same numbers as transformers over those tokens, and not
     the whole prompt's."""
@@ -72,8 +73,7 @@ def test_default_window_measures_the_last_prompt_tokens(admg_none, tiny_model_pa
     generate(admg_none, tiny_prompt_ids, SamplingParams(max_tokens=4, temperature=0))
     measured = {m["prompt_key"]: m for m in proposer_report(admg_none)["measurements"]}
     windowed = hf_similarities(tiny_model_path, tiny_prompt_ids, window=window)
-    whole = hf_similarities(tiny_model_path, tiny_prompt_ids)
-    for ids, (attn, mlp), (whole_attn, _) in zip(tiny_prompt_ids, windowed, whole):
+    for ids, (attn, mlp), (whole_attn, _) in zip(tiny_prompt_ids, windowed, tiny_reference):
         m = measured[prompt_key(ids)]
         np.testing.assert_allclose(m["attention_similarity"], attn, atol=1e-4)
         np.testing.assert_allclose(m["mlp_similarity"], mlp, atol=1e-4)

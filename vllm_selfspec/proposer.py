@@ -177,9 +177,10 @@ class SelfAdmgProposer:
                                         logit_rows - len(rows), now - self._step_end))
         self._step_end = None
         for i, tokens in enumerate(sampled_token_ids):
-            if tokens:
-                self.controller.observe_progress(req_ids[i], len(tokens))
-            drafted = self._drafted.get(req_ids[i]) if tokens else None
+            if not tokens:  # no token this step (e.g. a partial prefill): nothing verified
+                continue
+            self.controller.observe_progress(req_ids[i], len(tokens))
+            drafted = self._drafted.get(req_ids[i])
             if drafted:
                 source, length, bins = drafted
                 self.controller.observe_draft(req_ids[i], source, length, len(tokens) - 1, bins)
