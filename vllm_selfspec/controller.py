@@ -5,14 +5,17 @@ it observes and asks it, every step, how long each row's draft should be.
 
 Model. A step's time is linear in what it computes (fitted online to every step, `LinearCost`):
     T = t0 + t_prompt * prompt tokens + t_row * logit rows + t_sampled * sampled logit rows
-           + t_verify * (1 if the step verifies any draft).
+           + t_verify * (1 if the step verifies any draft) + t_new * (1 if its shape is new).
 A logit row is a position whose logits are computed: one per request, plus one per draft token.
 Prompt tokens need no logits and run as one big matrix product, so they are cheaper than a
 verified draft token and get their own coefficient; rows that sample (temperature > 0) pay the
 rejection sampler's softmax over the vocabulary on top; a step that verifies any draft at all
 runs vLLM's rejection sampler and its metadata, a fixed t_verify (43 ms of a 560 ms step at
 batch 32 on Qwen-1.5B here, `benchmarks/step_costs.py`). So a draft token in row i costs
-c_i = t_row (+ t_sampled), and a plan with any draft pays t_verify once. A self-draft step over
+c_i = t_row (+ t_sampled), and a plan with any draft pays t_verify once. The first step at each
+shape (logit rows, sampled rows, draft tokens) pays one-off set-up (kernels for new sizes: about
+12 ms on a 5 ms tiny-model step); t_new takes it, so it is not charged to verification, which
+would then look too dear to ever be tried again. A self-draft step over
 m rows takes e(m) seconds (`self_step`, measured). A draft token at depth j from a source
 whose tokens are accepted with probability a (prompt lookup per request, self-draft overall,
 each measured) is emitted with probability a**j.
@@ -48,6 +51,7 @@ import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.optimize
 
 
 @dataclass
@@ -132,16 +136,12 @@ class LinearCost:
         share = np.asarray(self.prior_share)
         prior = share * mean_y / (1 + share @ mean_x)
         strength = np.asarray(self.ridge) * (np.diag(cov) + 1e-6 * (mean_x**2 + 1))
-        free = np.ones(len(mean_x), dtype=bool)
-        coef = np.zeros(len(mean_x))
-        for _ in range(len(mean_x)):  # drop negative coefficients one at a time, refit the rest
-            sub = np.ix_(free, free)
-            coef[:] = 0
-            coef[free] = np.linalg.solve(cov[sub] + np.diag(strength[free]),
-                                         cross[free] + strength[free] * prior[free])
-            if (coef >= 0).all():
-                break
-            free &= coef > 0
+        # The ridge-regularised normal equations, solved with non-negative coefficients: as least
+        # squares ||A c - b|| with A'A = cov + ridge and A'b = cross + ridge * prior. (Dropping
+        # every negative coefficient of the free solution at once dropped the wrong ones: one
+        # slow step could zero t_new and charge its set-up to verification.)
+        lower = np.linalg.cholesky(cov + np.diag(strength))
+        coef, _ = scipy.optimize.nnls(lower.T, np.linalg.solve(lower, cross + strength * prior))
         return max(mean_y - float(mean_x @ coef), 0.0), coef
 
     def predict(self, features) -> float:
@@ -155,10 +155,12 @@ class LinearCost:
 
 def target_step_cost() -> LinearCost:
     """A target step: features (prompt tokens, logit rows, sampled logit rows, verifies any
-    draft). Sampling and verification are assumed free until seen to cost, and pulled hardest to
-    that: a workload that always samples charges its cost to every row (the safe side), not to a
-    greedy row it never saw, and one that always drafts charges verification to t0."""
-    return LinearCost(prior_share=(0.1, 0.1, 0.0, 0.0), ridge=(1e-4, 1e-4, 1e-2, 1e-2))
+    draft, first step at its shape). Sampling and verification are assumed free until seen to
+    cost, and pulled hardest to that: a workload that always samples charges its cost to every
+    row (the safe side), not to a greedy row it never saw, and one that always drafts charges
+    verification to t0. The first verifications are all at new shapes: set-up is pulled less,
+    so it takes their extra cost."""
+    return LinearCost(prior_share=(0.1, 0.1, 0.0, 0.0, 0.0), ridge=(1e-4, 1e-4, 1e-2, 1e-2, 1e-3))
 
 
 def self_step_cost() -> LinearCost:
@@ -231,6 +233,7 @@ class DraftController:
     explore_after: int = 16  # steps without self-drafting before a retry; doubles, up to 1024
     _idle_steps: int = 0
     _self_shapes_seen: set = field(default_factory=set)
+    _step_shapes_seen: set = field(default_factory=set)
     # Lookup acceptance per request and source (prior: the source's overall rate): code and
     # prose differ a lot.
     _by_request: dict[tuple[str, str], AcceptanceRate] = field(default_factory=dict)
@@ -242,8 +245,11 @@ class DraftController:
 
     # ---- what happened -----------------------------------------------------------------
     def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float,
-                     verified: bool = False) -> None:
-        self.step.observe((prompt_tokens, logit_rows, sampled_rows, verified), seconds)
+                     draft_tokens: int = 0) -> None:
+        shape = (logit_rows, sampled_rows, draft_tokens)
+        new_shape = shape not in self._step_shapes_seen
+        self._step_shapes_seen.add(shape)
+        self.step.observe((prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape), seconds)
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
         # The first draft step at each batch shape pays one-off set-up (kernel primitives for
@@ -316,7 +322,7 @@ class DraftController:
         `draining`: no request admitted lately, so rows that finish early free nothing."""
         if not self.step.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup for o in offers], 0, False, [False] * len(offers))
-        t0, (_, t_row, t_sampled, t_verify) = self.step.coefficients()
+        t0, (_, t_row, t_sampled, t_verify, _) = self.step.coefficients()
         cost = [max(t_row + t_sampled * o.sampled, 1e-9) for o in offers]
         plain_step = (float(len(offers)), t0 + sum(cost))  # (tokens, seconds): one logit row each
         weights = (drain_weights([self.steps_left(o) for o in offers], t0, cost) if draining

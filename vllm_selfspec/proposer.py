@@ -172,7 +172,7 @@ class SelfAdmgProposer:
             sampled_rows = sum(n for r, n in rows.items() if self._samples(runner, r))
             prompt_tokens = max(scheduler_output.total_num_scheduled_tokens - logit_rows, 0)
             self.controller.observe_step(prompt_tokens, logit_rows, sampled_rows, now - self._step_end,
-                                         verified=logit_rows > len(rows))
+                                         draft_tokens=logit_rows - len(rows))
             self.counters.steps.append((prompt_tokens, logit_rows, sampled_rows,
                                         logit_rows - len(rows), now - self._step_end))
         self._step_end = None
