@@ -58,6 +58,27 @@ def proposer_report(llm) -> dict:
     return llm.collective_rpc(report)[0]
 
 
+def pin_step_costs(llm, t0: float, t_row: float, t_verify: float, self_step: float) -> None:
+    """Fix the engine controller's step costs (seconds: per step, per logit row, once per step
+    that verifies drafts, per self-draft step) and stop it learning them, so that what it decides
+    follows from acceptance alone, not from how fast this machine runs the tiny model that
+    moment. Its cost learning is unit-tested in test_controller.py."""
+
+    def pin(worker):  # nested, so pickled by value into the worker
+        from vllm_selfspec.controller import self_step_cost, target_step_cost
+
+        step, drafting = target_step_cost(), self_step_cost()
+        for rows in (1, 4, 8) * 4:
+            for drafts in (0, 2):
+                step.observe((0, rows + drafts, 0, drafts > 0, False), t0 + t_row * (rows + drafts) + t_verify * (drafts > 0))
+            drafting.observe((rows,), self_step)
+        step.observe = drafting.observe = lambda *args: None
+        controller = worker.model_runner.drafter.controller
+        controller.step, controller.self_step = step, drafting
+
+    llm.collective_rpc(pin)
+
+
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
