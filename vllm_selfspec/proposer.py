@@ -171,10 +171,9 @@ class SelfAdmgProposer:
             logit_rows = sum(rows.values())
             sampled_rows = sum(n for r, n in rows.items() if self._samples(runner, r))
             prompt_tokens = max(scheduler_output.total_num_scheduled_tokens - logit_rows, 0)
-            self.controller.observe_step(prompt_tokens, logit_rows, sampled_rows, now - self._step_end,
-                                         draft_tokens=logit_rows - len(rows))
-            self.counters.steps.append((prompt_tokens, logit_rows, sampled_rows,
-                                        logit_rows - len(rows), now - self._step_end))
+            draft_tokens, seconds = logit_rows - len(rows), now - self._step_end
+            self.controller.observe_step(prompt_tokens, logit_rows, sampled_rows, seconds, draft_tokens)
+            self.counters.steps.append((prompt_tokens, logit_rows, sampled_rows, draft_tokens, seconds))
         self._step_end = None
         for i, tokens in enumerate(sampled_token_ids):
             if not tokens:  # no token this step (e.g. a partial prefill): nothing verified
