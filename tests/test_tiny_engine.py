@@ -62,6 +62,8 @@ def test_skip_nothing_accepts_every_draft(admg_none, tiny_prompt_ids, plain_ids)
     assert drafted > 0 and accepted == drafted
     report = proposer_report(admg_none)
     assert all(not any(m["skip_attention"] + m["skip_mlp"]) for m in report["measurements"])
+    # The first step's warm-up draft is neither proposed nor counted.
+    assert report["warmup_seconds"] > 0 and report["draft_tokens"] == after["num_draft_tokens"]
 
 
 def test_default_window_measures_the_last_prompt_tokens(admg_none, tiny_model_path, tiny_prompt_ids,
