@@ -338,26 +338,6 @@ def test_an_unused_source_is_retried_with_back_off():
     assert retries[:3] == [15, 47, 111]  # after 16, then 32, then 64 idle steps
 
 
-def test_retries_take_a_bounded_share_of_the_time():
-    """A retry that costs 3 decode steps (a probe for a new row and a draft step, as at
-    HumanEval B=8 here) may take at most `explore_share` of recent step time, so retries that
-    never pay cost at most that share; cheap retries keep the back-off's schedule."""
-    step = 0.3
-    for retry_cost, expected in ((3 * step, None), (0.001, [15, 47, 111])):
-        controller = trained(t0=0.25, t1=0.02, self_step=0.1, lookup_rate=0.8, self_rate=0.2)
-        retries = []
-        for i in range(2000):
-            if controller.plan(self_rows(1), 4).explored:
-                retries.append(i)
-                controller.observe_exploration(retry_cost)
-            controller.observe_step(0, 1, 0, step)
-        if expected:
-            assert retries[:3] == expected
-        else:  # the second retry waits far past the back-off's 47 steps, until the share allows
-            assert retries[0] == 15 and retries[1] > 200
-            assert len(retries) * retry_cost <= controller.explore_share * step * 2000 + retry_cost
-
-
 def test_before_costs_are_known_only_free_drafts_are_made():
     """Lookup drafts need no forward pass; self-drafts wait until their cost can be judged."""
     plan = DraftController().plan(lookup_rows(2, 4) + self_rows(1), self_budget=3)

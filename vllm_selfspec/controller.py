@@ -168,7 +168,6 @@ def self_step_cost() -> LinearCost:
     return LinearCost(prior_share=(0.1,), ridge=(1e-3,), decay=0.9, min_samples=1)
 
 
-RECENT_DECAY = 0.998  # per target step: sums over about the last 500 steps
 MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
 AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
 
@@ -232,14 +231,7 @@ class DraftController:
     step: LinearCost = field(default_factory=target_step_cost)
     self_step: LinearCost = field(default_factory=self_step_cost)
     explore_after: int = 16  # steps without self-drafting before a retry; doubles, up to 1024
-    # Retries (a probe for a new row, a draft step) may take at most this share of the recent
-    # target-step time (decayed sums, a memory of about 500 steps): a retry cost up to 3 decode
-    # steps at B=8 here and rarely paid (benchmarks/NOTES.md, attempt 13).
-    explore_share: float = 0.02
     _idle_steps: int = 0
-    _recent_step_seconds: float = 0.0
-    _recent_explore_seconds: float = 0.0
-    _explore_cost: float = 0.0  # the last retry's seconds
     _self_shapes_seen: set = field(default_factory=set)
     _step_shapes_seen: set = field(default_factory=set)
     # Lookup acceptance per request and source (prior: the source's overall rate): code and
@@ -258,13 +250,6 @@ class DraftController:
         new_shape = shape not in self._step_shapes_seen
         self._step_shapes_seen.add(shape)
         self.step.observe((prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape), seconds)
-        self._recent_step_seconds = RECENT_DECAY * self._recent_step_seconds + seconds
-        self._recent_explore_seconds *= RECENT_DECAY
-
-    def observe_exploration(self, seconds: float) -> None:
-        """What a retry of self-drafts cost, probe included."""
-        self._recent_explore_seconds += seconds
-        self._explore_cost = seconds
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
         # The first draft step at each batch shape pays one-off set-up (kernel primitives for
@@ -372,9 +357,7 @@ class DraftController:
             # Worth a retry only if the measured step cost leaves room: with every token
             # accepted, would a self-draft beat the current rate? (Unmeasured: find out.)
             could_pay = not self.self_step.samples or m / self_token_cost > tokens / seconds
-            affordable = (self._recent_explore_seconds + self._explore_cost
-                          <= self.explore_share * self._recent_step_seconds)
-            if self._idle_steps >= self.explore_after and could_pay and affordable:  # one step; back off
+            if self._idle_steps >= self.explore_after and could_pay:  # one draft step; back off
                 self_length, explored, self._idle_steps = 1, True, 0
                 self.explore_after = min(2 * self.explore_after, 1024)
                 lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(lookup_lengths)]

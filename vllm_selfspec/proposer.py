@@ -147,7 +147,6 @@ class SelfAdmgProposer:
                 bins[i] = self.controller.calibration(offer, length)
         self_rows = [i for i, chosen in zip(rows, plan.self_rows) if chosen]
         if plan.self_length and self_rows:
-            start_time = time.perf_counter()
             if plan.explored:  # a retry: rows that have a mask, or one new row (one probe)
                 self_rows = [i for i in self_rows if batch.req_ids[i] in self.masks] or self_rows[:1]
             new_rows = [i for i in self_rows if batch.req_ids[i] not in self.masks]
@@ -156,8 +155,6 @@ class SelfAdmgProposer:
             self_budgets = np.array([min(budgets[i], plan.self_length) for i in self_rows])
             masks = [self.masks[batch.req_ids[i]] for i in self_rows]
             self._draft(runner, self_rows, masks, self_budgets, common_attn_metadata, drafts)
-            if plan.explored:
-                self.controller.observe_exploration(time.perf_counter() - start_time)
         self._drafted = {batch.req_ids[i]: (sources.get(i, "self"), len(drafts[i]), bins.get(i, []))
                          for i in rows if drafts[i]}
         self.counters.lookup_tokens += sum(len(drafts[i]) for i in sources)
