@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vllm_selfspec.controller import (AcceptanceRate, DraftController, RowOffer, drain_weights, target_step_cost,
+from vllm_selfspec.controller import (AcceptanceRate, DraftController, RowOffer, target_step_cost,
                                       token_bins)
 from vllm_selfspec.lookup import OutputHistory, lookup_draft, suffix_draft
 
@@ -238,12 +238,8 @@ def test_a_step_that_verifies_anything_pays_a_fixed_cost_once():
     assert controller.plan(lookup_rows(4), self_budget=0).lookup_lengths == [4]
 
 
-def test_drain_weights_credit_the_step_only_to_the_rows_that_finish_last():
-    # t0 = 0.32, c = 0.01, B = 4: a token is worth t0/B + c = 0.09 in the steady state.
-    weights = drain_weights([48, 46, 40, 30], t0=0.32, cost=[0.01] * 4)
-    assert weights == pytest.approx([(0.16 + 0.01) / 0.09] * 2 + [0.01 / 0.09] * 2)
-    assert drain_weights([None, 10], t0=0.32, cost=[0.01] * 2) == pytest.approx([0.33 / 0.17, 0.01 / 0.17])
-    assert drain_weights([7, 7], t0=0.32, cost=[0.01] * 2) == pytest.approx([1.0, 1.0])
+def closed(offers, remaining):
+    return [dataclasses.replace(o, remaining=r) for o, r in zip(offers, remaining)]
 
 
 def test_a_draining_batch_drafts_only_in_the_rows_that_finish_last():
@@ -251,28 +247,48 @@ def test_a_draining_batch_drafts_only_in_the_rows_that_finish_last():
     the steady state. In an offline batch that is finishing, the rows ahead would finish early
     and free nothing: only the rows that set the batch's length draft."""
     controller = trained(t0=0.28, t1=0.0088, self_step=0.5, lookup_rate=0.6, self_rate=0.6)
-    offers = [dataclasses.replace(o, remaining=48 if i < 4 else 36) for i, o in enumerate(lookup_rows(*[2] * 32))]
+    offers = closed(lookup_rows(*[2] * 32), [48] * 4 + [36] * 28)
     steady = controller.plan(offers, self_budget=0).lookup_lengths
     draining = controller.plan(offers, self_budget=0, draining=True).lookup_lengths
     assert all(n > 0 for n in steady)
     assert all(n > 0 for n in draining[:4]) and draining[4:] == [0] * 28
 
 
-def test_in_a_closed_batch_the_rows_without_drafts_finish_last():
-    """A closed batch starts with every row at the same tokens left, but the rows that find no
-    draft go at one token a step and will set the batch's length: once the others have shown a
-    faster pace, their drafts no longer pay, and the slow rows' do."""
-    controller = trained(t0=0.28, t1=0.0088, self_step=0.5, lookup_rate=0.6, self_rate=0.6)
-    offers = [dataclasses.replace(o, remaining=40) for o in lookup_rows(*[2] * 32)]
-    assert all(controller.plan(offers, self_budget=0, draining=True).lookup_lengths)  # all level
-    for step in range(5):
-        for i, offer in enumerate(offers):
-            controller.observe_progress(offer.req_id, 3 if i < 28 else 1)
-    assert controller.steps_left(offers[0]) < controller.steps_left(offers[31]) == pytest.approx(40)
-    draining = controller.plan(offers, self_budget=0, draining=True).lookup_lengths
-    assert draining[:28] == [0] * 28 and all(draining[28:])
-    controller.forget(offers[0].req_id)
-    assert controller.steps_left(offers[0]) == pytest.approx(40)
+def test_a_closed_batch_of_level_rows_drafts_only_if_every_row_is_likely_to_advance():
+    """8 rows with 40 tokens left each: the batch ends a step sooner only if all 8 accept a
+    token. At acceptance 0.6 that is 0.6**8 = 2%: no draft pays, though each would in the
+    steady state. Sure drafts in every row do pay; one row without any draft rules it out."""
+    controller = trained(t0=0.18, t1=0.012, self_step=0.5, lookup_rate=0.6, self_rate=0.6)
+    level = closed(lookup_rows(*[2] * 8), [40] * 8)
+    assert sum(controller.plan(level, self_budget=0).lookup_lengths) > 0
+    assert controller.plan(level, self_budget=0, draining=True).lookup_lengths == [0] * 8
+    controller.lookup = AcceptanceRate(prior=0.99, decay=1.0)
+    assert controller.plan(level, self_budget=0, draining=True).lookup_lengths == [2] * 8
+    one_without = closed(lookup_rows(*[2] * 7, 0), [40] * 8)
+    assert controller.plan(one_without, self_budget=0, draining=True).lookup_lengths == [0] * 8
+
+
+def test_a_draining_batch_drafts_each_row_to_a_common_finish_line():
+    """A row one token ahead of the last ones needs one token less to end with them."""
+    controller = trained(t0=0.28, t1=0.0088, self_step=0.5, lookup_rate=0.99, self_rate=0.6)
+    offers = closed(lookup_rows(4, 4, 4), [30, 29, 20])
+    assert controller.plan(offers, self_budget=0, draining=True).lookup_lengths == [4, 3, 0]
+
+
+def test_a_last_row_without_lookup_self_drafts_when_that_brings_the_end_nearer():
+    controller = trained(t0=0.28, t1=0.0088, self_step=0.05, lookup_rate=0.99, self_rate=0.95)
+    offers = closed(lookup_rows(4) + self_rows(1), [30, 30])
+    plan = controller.plan(offers, self_budget=4, draining=True)
+    assert plan.self_rows == [False, True] and plan.self_length > 0 and plan.lookup_lengths[0] == plan.self_length
+    dear = trained(t0=0.28, t1=0.0088, self_step=0.3, lookup_rate=0.99, self_rate=0.95)
+    plans = [dear.plan(offers, self_budget=4, draining=True) for _ in range(100)]
+    assert all(p.self_length == 0 and p.lookup_lengths == [0, 0] for p in plans)  # nor retried
+
+
+def test_one_row_drafts_alike_draining_or_not():
+    controller = trained(t0=0.25, t1=0.01, self_step=0.05, lookup_rate=0.7, self_rate=0.9)
+    for offers in (closed(lookup_rows(4), [30]), closed(self_rows(1), [30])):
+        assert controller.plan(offers, self_budget=4, draining=True) == controller.plan(offers, self_budget=4)
 
 
 def test_lookup_acceptance_is_learned_per_request():

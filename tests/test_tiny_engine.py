@@ -230,17 +230,23 @@ def test_seeded_request_with_chunked_prefill(admg_mixed, tiny_prompt_ids):
 def test_default_hybrid_is_lossless(tiny_model_path, tiny_prompt_ids, plain_ids):
     """The default set-up: lookup drafts from the row's own context or from earlier answers,
     self-drafts where lookup is unsure, and the controller deciding how much of each pays.
-    Still plain decoding's output. Step costs are pinned to Qwen-1.5B's on this CPU at batch 8
-    (benchmarks/step_costs.py), where a self-draft step costs most of a target step."""
+    Still plain decoding's output, in a batch and alone. Step costs are pinned to Qwen-1.5B's on
+    this CPU at batch 8 (benchmarks/step_costs.py), where a self-draft step costs most of a
+    target step."""
     llm = make_llm(tiny_model_path, speculative_config={"method": "self-admg", "num_speculative_tokens": 3})
     try:
         pin_step_costs(llm, t0=0.14, t_row=0.014, t_verify=0.012, self_step=0.12)
         assert token_ids(generate(llm, tiny_prompt_ids)) == plain_ids
+        # Alone, a row's end is its batch's: the first prompt repeats itself three times, and
+        # its lookup drafts pay. (In the closed batch above they need not: it ends with its
+        # last row, and a step is saved only if every row advances.)
+        alone = [token_ids(generate(llm, [ids]))[0] for ids in tiny_prompt_ids]
+        assert alone == plain_ids
         report = proposer_report(llm)
-        assert report["lookup_tokens"] > 0  # the first prompt repeats itself three times
+        assert report["lookup_tokens"] > 0
         assert spec_counters(llm)["num_draft_tokens"] >= report["lookup_tokens"]
         # Asked again, the earlier answers offer surer drafts than the rows' own contexts.
-        assert token_ids(generate(llm, tiny_prompt_ids)) == plain_ids
+        assert token_ids(generate(llm, tiny_prompt_ids[:1])) == plain_ids[:1]
         assert proposer_report(llm)["history_tokens"] > report["history_tokens"]
     finally:
         close_llm(llm)

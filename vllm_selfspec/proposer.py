@@ -183,7 +183,6 @@ class SelfAdmgProposer:
         for i, tokens in enumerate(sampled_token_ids):
             if not tokens:  # no token this step (e.g. a partial prefill): nothing verified
                 continue
-            self.controller.observe_progress(req_ids[i], len(tokens))
             drafted = self._drafted.get(req_ids[i])
             if drafted:
                 source, length, bins = drafted
