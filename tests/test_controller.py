@@ -174,7 +174,6 @@ def trained(t0, t1, self_step, lookup_rate, self_rate, t_sampled=0.0, t_verify=0
         controller.observe_step(0, n, n, t0 + (t1 + t_sampled) * n)
         controller.observe_step(0, n + 2, 0, t0 + t1 * (n + 2) + t_verify, draft_tokens=2)
     for rows in (1, 2):
-        controller.observe_self_step(rows, 10 * self_step)  # the first at a shape: set-up, ignored
         controller.observe_self_step(rows, self_step)
     controller.lookup = AcceptanceRate(prior=lookup_rate, decay=1.0)
     controller.self_draft = AcceptanceRate(prior=self_rate, decay=1.0)
@@ -352,6 +351,24 @@ def test_an_unused_source_is_retried_with_back_off():
     controller = trained(t0=0.25, t1=0.02, self_step=0.1, lookup_rate=0.8, self_rate=0.2)
     retries = [i for i in range(200) if controller.plan(self_rows(1), 4).explored]
     assert retries[:3] == [15, 47, 111]  # after 16, then 32, then 64 idle steps
+
+
+def test_a_retry_must_be_able_to_pay_back_its_probe():
+    """Batch 1 on this CPU: a draft step at 0.84 of a target step could pay, at best 0.04 s a
+    token; a retry that needs a 0.57 s probe is not worth it near a request's end, one that
+    reuses a mask is."""
+    controller = trained(t0=0.24, t1=0.015, self_step=0.2, lookup_rate=0.8, self_rate=0.2)
+    controller.observe_probe(rows=2, seconds=1.14)
+    assert controller.probe_seconds == pytest.approx(0.57)
+
+    def retries(**offer):
+        row = [dataclasses.replace(self_rows(1)[0], **offer)]
+        return sum(controller.plan(row, 4).explored for _ in range(200))
+
+    assert retries(remaining=40) > 0  # at best 1.3 s saved
+    assert retries(remaining=10) == 0  # at best 0.3 s
+    assert retries(remaining=10, has_mask=True) > 0
+    assert retries(remaining=None) > 0
 
 
 def test_before_costs_are_known_only_free_drafts_are_made():

@@ -173,6 +173,11 @@ MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
 AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
 
 
+def tokens_left(offers, rows) -> float:
+    """The rows' tokens left, summed (a row without a known limit: unbounded)."""
+    return sum(math.inf if offers[i].remaining is None else offers[i].remaining for i in rows)
+
+
 def agreement(probs: tuple[float, ...]) -> list[float]:
     """Per lookup token, the share of the occurrences behind the previous token that agree on
     this one (p_j / p_j-1)."""
@@ -204,6 +209,7 @@ class RowOffer:
     lookup_probs: tuple[float, ...] = ()  # per lookup token, see vllm_selfspec.lookup
     lookup_match: int = 0
     remaining: int | None = None  # tokens the request may still emit (None: no limit known)
+    has_mask: bool = False  # its prompt is probed already: a self-draft needs no probe
 
     @property
     def lookup_bins(self) -> list[tuple]:
@@ -233,7 +239,7 @@ class DraftController:
     self_step: LinearCost = field(default_factory=self_step_cost)
     explore_after: int = 16  # steps without self-drafting before a retry; doubles, up to 1024
     _idle_steps: int = 0
-    _self_shapes_seen: set = field(default_factory=set)
+    probe_seconds: float | None = None  # per probed row, a moving average
     _step_shapes_seen: set = field(default_factory=set)
     # Lookup acceptance per request and source (prior: the source's overall rate): code and
     # prose differ a lot.
@@ -250,14 +256,12 @@ class DraftController:
         self.step.observe((prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape), seconds)
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
-        # The first draft step at each batch shape pays one-off set-up (kernel primitives for
-        # that shape): 1.10 of a target step on Qwen at batch 1, against 0.79 for the steps
-        # after it (benchmarks/results/full-fresh-2026-11-21). Counting it would rule out
-        # self-drafts for good, since a source that is not used is only retried if it could pay.
-        if rows not in self._self_shapes_seen:
-            self._self_shapes_seen.add(rows)
-            return
         self.self_step.observe((rows,), seconds)
+
+    def observe_probe(self, rows: int, seconds: float) -> None:
+        """A statistics probe over `rows` new prompts (what a row pays before its first self-draft)."""
+        per_row = seconds / rows
+        self.probe_seconds = per_row if self.probe_seconds is None else 0.7 * self.probe_seconds + 0.3 * per_row
 
     def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int, bins=()) -> None:
         """What verification made of a row's draft from `source` (lookup, history or self),
@@ -323,8 +327,10 @@ class DraftController:
         self_step = self.self_step.predict((m,)) if m else 0.0
         if draining and len(offers) > 1:  # (one row's end is the batch's: the rate plan is that)
             lookup_lengths, self_length, chosen = self._drain_plan(offers, gains, cost, t0, t_verify, self_budget)
-            # With every token accepted, a one-token self-draft over these rows saves a step.
-            could_pay = not self.self_step.samples or t0 > self_step + t_verify
+            # At best (every token accepted) a self-draft over these rows saves a step per draft
+            # step, on up to K/(K+1) of the steps left to the batch's end.
+            best = (t0 - self_step - t_verify) * max(tokens_left(offers, [i]) for i in range(len(offers)))
+            could_pay = self._retry_pays(offers, self_rows, best * self_budget / (self_budget + 1))
         else:
             lookup_lengths, self_length, could_pay = self._steady_plan(
                 offers, gains, cost, t0, t_verify, self_rows, self_step, self_budget)
@@ -358,10 +364,21 @@ class DraftController:
                 lookup_lengths, self_length, tokens, seconds = with_self
         if tokens / seconds <= plain_step[0] / plain_step[1]:
             lookup_lengths, self_length, tokens, seconds = [0] * len(offers), 0, *plain_step
-        # With every token accepted, would a self-draft beat the current rate? (Unmeasured: find out.)
-        could_pay = not self.self_step.samples or (
-            bool(self_rows) and len(self_rows) / self_token_cost > tokens / seconds)
-        return lookup_lengths, self_length, could_pay
+        # At best (every token accepted) each self-draft token costs self_token_cost / m, not
+        # the seconds per token of the plan taken, on up to K/(K+1) of the rows' tokens left.
+        best = (seconds / tokens - self_token_cost / max(len(self_rows), 1)) * tokens_left(offers, self_rows)
+        return lookup_lengths, self_length, self._retry_pays(offers, self_rows, best * self_budget / (self_budget + 1))
+
+    def _retry_pays(self, offers, self_rows, best_saving: float) -> bool:
+        """Whether a retry of self-drafts could pay back what it costs, one draft step and, when
+        no row has a mask yet, one probe: on this CPU probes cost 2-3 target steps, and retries
+        whose best case saved less cost 3-5% of a batch-1 run (NOTES, attempt 14). A source that
+        was never measured is always worth a try."""
+        if not self.self_step.samples:
+            return True
+        masked = sum(offers[i].has_mask for i in self_rows)
+        cost = self.self_step.predict((masked or 1,)) + (0.0 if masked else self.probe_seconds or 0.0)
+        return best_saving > cost
 
     def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0):
         """Add draft tokens, best gain per second first, while each beats the step's rate so

@@ -136,7 +136,7 @@ class SelfAdmgProposer:
             source, draft = found.get(i, ("lookup", NO_DRAFT))
             req_id = batch.req_ids[i]
             offers.append(RowOffer(req_id, len(draft), source, budgets[i] > 0, self._samples(runner, req_id),
-                                   draft.probs, draft.match, left[i]))
+                                   draft.probs, draft.match, left[i], has_mask=req_id in self.masks))
         plan = self._plan(offers, max(budgets.values(), default=0))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         sources, bins = {}, {}
@@ -247,7 +247,9 @@ class SelfAdmgProposer:
                          req_id, sum(mask.attention), sum(mask.mlp), len(mask.attention))
         self.counters.prompts_measured += len(rows)
         self.counters.prompt_tokens_measured += int(query_lens.sum())
-        self.counters.probe_seconds += time.perf_counter() - start_time
+        seconds = time.perf_counter() - start_time
+        self.counters.probe_seconds += seconds
+        self.controller.observe_probe(len(rows), seconds)
 
     def _similarities(self, runner, rows: list[int], cam) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The probe: per row and layer, the mean cosine similarity over the prompt's last
