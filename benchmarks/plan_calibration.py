@@ -1,11 +1,11 @@
 """Does the controller expect what verification then gives? Checks its lookup estimates.
 
 Runs closed batches with self-admg only, logs each row's plan in the worker (the expected
-accepted tokens of the lookup draft it chose, whether the batch was draining, whether the row
-counted as one of the last) next to what verification accepted, and prints expected against
-accepted, by the expected rate of the draft's first token and by draining. Also prints, per
-batch, the steps it took against the steps its rows' mean progress would give: in a closed
-batch the longest row sets the length, so the gap is what accepted tokens bought nothing.
+accepted tokens of the lookup draft it chose, whether the batch was draining, the row's tokens
+left) next to what verification accepted, and prints expected against accepted, by the
+expected rate of the draft's first token and by draining. Also prints the steps each batch
+took: a closed batch ends with its last row, so tokens accepted in a batch that still takes
+max_tokens steps bought nothing.
 
     LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python benchmarks/plan_calibration.py --batch 8 --temperature 1
 """

@@ -40,8 +40,9 @@ closed batch of 8 sampled HumanEval rows drafted in 169 of 193 steps and took 47
 so the tokens bought nothing (0.92x plain, `benchmarks/plan_calibration.py`).
 
 A source that is not used is not measured, so self-drafting, once it stops paying, is retried
-now and then (one draft step, on a back-off schedule), but only while its measured step cost
-leaves room for it to pay at all (with every token accepted).
+now and then (one draft step, on a back-off schedule), but only if its best case, every token
+accepted over the rows' tokens left, would pay back the retry: the draft step, and the probe of
+a new prompt when no row has a mask yet (0.6 s, 2-3 target steps, on Qwen-1.5B here).
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ class DraftController:
         explored = False
         if m and self_length == 0 and self_budget:
             self._idle_steps += 1
-            # Worth a retry only if the measured step cost leaves room for it to pay at all.
+            # Worth a retry only if its best case pays for it (`_retry_pays`).
             if self._idle_steps >= self.explore_after and could_pay:  # one draft step; back off
                 self_length, explored, self._idle_steps = 1, True, 0
                 self.explore_after = min(2 * self.explore_after, 1024)
@@ -372,7 +373,7 @@ class DraftController:
     def _retry_pays(self, offers, self_rows, best_saving: float) -> bool:
         """Whether a retry of self-drafts could pay back what it costs, one draft step and, when
         no row has a mask yet, one probe: on this CPU probes cost 2-3 target steps, and retries
-        whose best case saved less cost 3-5% of a batch-1 run (NOTES, attempt 14). A source that
+        whose best case saved less cost 2-5% of a batch-1 run (NOTES, attempt 15). A source that
         was never measured is always worth a try."""
         if not self.self_step.samples:
             return True
@@ -413,11 +414,12 @@ class DraftController:
         draft is long enough, else self-draft; the best r, or no draft. Returns (lookup lengths,
         self-draft length, rows that self-draft)."""
         left = [math.inf if o.remaining is None else o.remaining for o in offers]
-        lead = [0 if r == max(left) else max(left) - r for r in left]  # tokens ahead of the last rows
+        # Tokens ahead of the last rows (rows without a limit are level with each other).
+        lead = [0 if r == max(left) else max(left) - r for r in left]
         a_self, measured = self.self_draft.rate, self.self_step.samples > 0
         best = (0.0, [0] * len(offers), 0, set())
         for finish in range(1, max(max(o.lookup for o in offers), self_budget) + 1):
-            need = [max(0, finish - d) for d in lead]  # (inf - inf: a row without limit is not ahead)
+            need = [max(0, finish - d) for d in lead]  # a row d tokens ahead needs finish - d
             lengths, self_rows, survival = [0] * len(offers), set(), []  # survival: P(accepted >= j)
             for i, (o, n) in enumerate(zip(offers, need)):
                 if n and o.lookup >= n:
