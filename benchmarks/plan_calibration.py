@@ -75,12 +75,12 @@ def main(argv=None) -> None:
               max_num_seqs=args.batch, kv_cache_memory_bytes=2 << 30, speculative_config=json.loads(args.spec))
     llm.generate(prompts[:1], params, use_tqdm=False)  # learn step costs before logging
     llm.collective_rpc(install_log)
-    batch_steps = []
+    batch_steps, log = [], {"plans": []}
     for b in range(1, args.batches + 1):
-        before = len(llm.collective_rpc(read_log)[0]["plans"])
+        before = len(log["plans"])
         llm.generate(prompts[b * args.batch:(b + 1) * args.batch], params, use_tqdm=False)
-        batch_steps.append(len(llm.collective_rpc(read_log)[0]["plans"]) - before)
-    log = llm.collective_rpc(read_log)[0]
+        log = llm.collective_rpc(read_log)[0]
+        batch_steps.append(len(log["plans"]) - before)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(log, f)

@@ -371,6 +371,15 @@ def test_a_retry_must_be_able_to_pay_back_its_probe():
     assert retries(remaining=None) > 0
 
 
+def test_a_retry_drafts_with_the_rows_that_have_a_mask_or_else_one_new_row():
+    controller = trained(t0=0.25, t1=0.02, self_step=0.1, lookup_rate=0.8, self_rate=0.2)
+    rows = [dataclasses.replace(o, has_mask=i == 1) for i, o in enumerate(self_rows(3))]
+    retry = next(p for p in (controller.plan(rows, 4) for _ in range(50)) if p.explored)
+    assert retry.self_rows == [False, True, False] and retry.self_length == 1
+    retry = next(p for p in (controller.plan(self_rows(3), 4) for _ in range(100)) if p.explored)
+    assert retry.self_rows == [True, False, False]
+
+
 def test_before_costs_are_known_only_free_drafts_are_made():
     """Lookup drafts need no forward pass; self-drafts wait until their cost can be judged."""
     plan = DraftController().plan(lookup_rows(2, 4) + self_rows(1), self_budget=3)

@@ -174,11 +174,6 @@ MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
 AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
 
 
-def tokens_left(offers, rows) -> float:
-    """The rows' tokens left, summed (a row without a known limit: unbounded)."""
-    return sum(math.inf if offers[i].remaining is None else offers[i].remaining for i in rows)
-
-
 def agreement(probs: tuple[float, ...]) -> list[float]:
     """Per lookup token, the share of the occurrences behind the previous token that agree on
     this one (p_j / p_j-1)."""
@@ -211,6 +206,10 @@ class RowOffer:
     lookup_match: int = 0
     remaining: int | None = None  # tokens the request may still emit (None: no limit known)
     has_mask: bool = False  # its prompt is probed already: a self-draft needs no probe
+
+    @property
+    def tokens_left(self) -> float:
+        return math.inf if self.remaining is None else self.remaining
 
     @property
     def lookup_bins(self) -> list[tuple]:
@@ -330,21 +329,23 @@ class DraftController:
             lookup_lengths, self_length, chosen = self._drain_plan(offers, gains, cost, t0, t_verify, self_budget)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
             # step, on up to K/(K+1) of the steps left to the batch's end.
-            best = (t0 - self_step - t_verify) * max(tokens_left(offers, [i]) for i in range(len(offers)))
-            could_pay = self._retry_pays(offers, self_rows, best * self_budget / (self_budget + 1))
+            best_saving = (t0 - self_step - t_verify) * max(o.tokens_left for o in offers)
         else:
-            lookup_lengths, self_length, could_pay = self._steady_plan(
+            lookup_lengths, self_length, best_saving = self._steady_plan(
                 offers, gains, cost, t0, t_verify, self_rows, self_step, self_budget)
             chosen = set(self_rows) if self_length else set()
         explored = False
         if m and self_length == 0 and self_budget:
             self._idle_steps += 1
-            # Worth a retry only if its best case pays for it (`_retry_pays`).
-            if self._idle_steps >= self.explore_after and could_pay:  # one draft step; back off
+            # A retry drafts one step with the rows that have a mask, or else one new row (one
+            # probe), and only if its best case pays for it.
+            retry_rows = {i for i in self_rows if offers[i].has_mask} or {self_rows[0]}
+            if (self._idle_steps >= self.explore_after
+                    and self._retry_pays(offers, retry_rows, best_saving * self_budget / (self_budget + 1))):
                 self_length, explored, self._idle_steps = 1, True, 0
                 self.explore_after = min(2 * self.explore_after, 1024)
                 lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(lookup_lengths)]
-                chosen = set(self_rows)
+                chosen = retry_rows
         elif self_length > 0:
             self._idle_steps, self.explore_after = 0, 16
         return DraftPlan(lookup_lengths, self_length, explored, [i in chosen for i in range(len(offers))])
@@ -352,7 +353,8 @@ class DraftController:
     def _steady_plan(self, offers, gains, cost, t0, t_verify, self_rows, self_step, self_budget):
         """The plan with the most tokens per second: lookup only, or self-drafts for
         `self_rows` with lookup for the rest (so a row that self-drafting does not pay for keeps
-        its lookup draft). Returns (lookup lengths, self-draft length, could a self-draft pay)."""
+        its lookup draft). Returns (lookup lengths, self-draft length, the seconds self-drafting
+        could save at best: every token accepted, on all the self rows' tokens left)."""
         plain_step = (float(len(offers)), t0 + sum(cost))  # (tokens, seconds): one logit row each
         self_token_cost = sum(cost[i] for i in self_rows) + self_step
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
@@ -365,21 +367,19 @@ class DraftController:
                 lookup_lengths, self_length, tokens, seconds = with_self
         if tokens / seconds <= plain_step[0] / plain_step[1]:
             lookup_lengths, self_length, tokens, seconds = [0] * len(offers), 0, *plain_step
-        # At best (every token accepted) each self-draft token costs self_token_cost / m, not
-        # the seconds per token of the plan taken, on up to K/(K+1) of the rows' tokens left.
-        best = (seconds / tokens - self_token_cost / max(len(self_rows), 1)) * tokens_left(offers, self_rows)
-        return lookup_lengths, self_length, self._retry_pays(offers, self_rows, best * self_budget / (self_budget + 1))
+        # At best each self-draft token costs self_token_cost / m, not the plan's seconds per token.
+        per_token = seconds / tokens - self_token_cost / max(len(self_rows), 1)
+        return lookup_lengths, self_length, per_token * sum(offers[i].tokens_left for i in self_rows)
 
-    def _retry_pays(self, offers, self_rows, best_saving: float) -> bool:
-        """Whether a retry of self-drafts could pay back what it costs, one draft step and, when
-        no row has a mask yet, one probe: on this CPU probes cost 2-3 target steps, and retries
-        whose best case saved less cost 2-5% of a batch-1 run (NOTES, attempt 15). A source that
-        was never measured is always worth a try."""
+    def _retry_pays(self, offers, retry_rows, best_saving: float) -> bool:
+        """Whether a retry of self-drafts could pay back what it costs, one draft step over
+        `retry_rows` and a probe if they have no mask yet: on this CPU probes cost 2-3 target
+        steps, and retries whose best case saved less cost 2-5% of a batch-1 run (NOTES,
+        attempt 15). A source that was never measured is always worth a try."""
         if not self.self_step.samples:
             return True
-        masked = sum(offers[i].has_mask for i in self_rows)
-        cost = self.self_step.predict((masked or 1,)) + (0.0 if masked else self.probe_seconds or 0.0)
-        return best_saving > cost
+        probe = 0.0 if offers[next(iter(retry_rows))].has_mask else self.probe_seconds or 0.0
+        return best_saving > self.self_step.predict((len(retry_rows),)) + probe
 
     def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0):
         """Add draft tokens, best gain per second first, while each beats the step's rate so
@@ -413,7 +413,7 @@ class DraftController:
         docstring): every row drafts to a common finish line r steps nearer, lookup where its
         draft is long enough, else self-draft; the best r, or no draft. Returns (lookup lengths,
         self-draft length, rows that self-draft)."""
-        left = [math.inf if o.remaining is None else o.remaining for o in offers]
+        left = [o.tokens_left for o in offers]
         # Tokens ahead of the last rows (rows without a limit are level with each other).
         lead = [0 if r == max(left) else max(left) - r for r in left]
         a_self, measured = self.self_draft.rate, self.self_step.samples > 0

@@ -146,9 +146,7 @@ class SelfAdmgProposer:
                 sources[i] = found[i][0]
                 bins[i] = self.controller.calibration(offer, length)
         self_rows = [i for i, chosen in zip(rows, plan.self_rows) if chosen]
-        if plan.self_length and self_rows:
-            if plan.explored:  # a retry: rows that have a mask, or one new row (one probe)
-                self_rows = [i for i in self_rows if batch.req_ids[i] in self.masks] or self_rows[:1]
+        if plan.self_length and self_rows:  # (a retry: the rows with a mask, or one new row)
             new_rows = [i for i in self_rows if batch.req_ids[i] not in self.masks]
             if new_rows:
                 self._measure_prompts(runner, new_rows, common_attn_metadata)
