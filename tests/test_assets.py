@@ -1,4 +1,4 @@
-"""Unit tests of vllm_selfspec.assets on small fake wheels built in tmp_path: no network, no model."""
+"""Unit tests of benchmarks.assets on small fake wheels built in tmp_path: no network, no model."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_selfspec import assets
-from vllm_selfspec.assets import AssetError, DataAsset, DataFile, ModelAsset, WheelFile
+from benchmarks import assets
+from benchmarks.assets import AssetError, DataAsset, DataFile, ModelAsset, WheelFile
 
 PART_BYTES = [b"GGUF-part-one|", b"part-two|", b"part-three"]
 

@@ -4,9 +4,8 @@ and its lossless check passes for exact methods and flags a mismatch loudly."""
 import json
 
 import pytest
-from conftest import load_benchmark
 
-bench = load_benchmark("run")
+import benchmarks.run as bench
 
 
 def test_lossless_check_flags_mismatches():

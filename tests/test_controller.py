@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vllm_selfspec.controller import (AcceptanceRate, DraftController, RowOffer, target_step_cost,
-                                      token_bins)
+from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer
+from vllm_selfspec.control.acceptance import token_bins
 from vllm_selfspec.lookup import OutputHistory, lookup_draft, suffix_draft
 
 
@@ -75,8 +75,8 @@ def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere()
     controller = trained(t0=0.25, t1=0.03, self_step=0.5, lookup_rate=0.6, self_rate=0.5)
     for _ in range(40):  # weak one-token drafts fail and drag the source's rate down
         controller.observe_draft("y", "lookup", 1, 0, controller.calibration(RowOffer(**WEAK)))
-    assert controller.lookup.rate < 0.2
-    gains = controller.lookup_gains(RowOffer("a", lookup=2, lookup_probs=(0.75, 0.75), lookup_match=5))
+    assert controller.acceptance.rates[DraftSource.LOOKUP].rate < 0.2
+    gains = controller.acceptance.lookup_gains(RowOffer("a", lookup_tokens=2, lookup_probs=(0.75, 0.75), lookup_match=5))
     assert gains == pytest.approx([0.75, 0.75 * 0.999])
 
 
@@ -90,9 +90,9 @@ def test_acceptance_rate_counts_trials_up_to_the_first_rejection():
 
 
 def target_step_cost():
-    from vllm_selfspec import controller
+    from vllm_selfspec.control import step_costs
 
-    return dataclasses.replace(controller.target_step_cost(), decay=1.0)
+    return dataclasses.replace(step_costs.target_step_cost(), decay=1.0)
 
 
 def test_step_cost_fits_each_kind_of_work_and_ignores_idle_gaps():
@@ -160,9 +160,9 @@ def test_set_up_at_a_new_shape_is_not_charged_to_verification():
     # A closed batch of 6 greedy rows: one lookup token drafted early, then none; rows finishing.
     for rows, drafts in [(6, 0)] * 6 + [(6, 1)] + [(6, 0)] * 40 + [(4, 0), (2, 0)]:
         step(rows, drafts)
-    t0, (_, _, _, t_verify, t_new) = controller.step.coefficients()
+    t0, (_, _, _, t_verify, t_new) = controller.costs.step.coefficients()
     assert t_verify < 0.002 and t_new == pytest.approx(0.012, rel=0.2)
-    sure = [RowOffer(f"r{i}", lookup=3, lookup_source="history", lookup_probs=(0.5, 0.5, 0.5), lookup_match=8)
+    sure = [RowOffer(f"r{i}", lookup_tokens=3, lookup_source="history", lookup_probs=(0.5, 0.5, 0.5), lookup_match=8)
             for i in range(6)]
     assert sum(controller.plan(sure, self_budget=0).lookup_lengths) > 0
 
@@ -175,13 +175,13 @@ def trained(t0, t1, self_step, lookup_rate, self_rate, t_sampled=0.0, t_verify=0
         controller.observe_step(0, n + 2, 0, t0 + t1 * (n + 2) + t_verify, draft_tokens=2)
     for rows in (1, 2):
         controller.observe_self_step(rows, self_step)
-    controller.lookup = AcceptanceRate(prior=lookup_rate, decay=1.0)
-    controller.self_draft = AcceptanceRate(prior=self_rate, decay=1.0)
+    controller.acceptance.rates[DraftSource.LOOKUP] = AcceptanceRate(prior=lookup_rate, decay=1.0)
+    controller.acceptance.rates[DraftSource.SELF] = AcceptanceRate(prior=self_rate, decay=1.0)
     return controller
 
 
 def lookup_rows(*found, sampled=False):
-    return [RowOffer(f"r{i}", lookup=n, sampled=sampled) for i, n in enumerate(found)]
+    return [RowOffer(f"r{i}", lookup_tokens=n, sampled=sampled) for i, n in enumerate(found)]
 
 
 def self_rows(count, start=100):
@@ -229,11 +229,11 @@ def test_a_step_that_verifies_anything_pays_a_fixed_cost_once():
     """vLLM's rejection sampler and its metadata run only in steps with drafts (43 ms of a
     560 ms step at batch 32 here): a lone unsure token does not pay for it, a longer sure draft does."""
     controller = trained(t0=0.1, t1=0.01, self_step=0.5, lookup_rate=0.5, self_rate=0.5, t_verify=0.05)
-    assert controller.step.coefficients()[1][3] == pytest.approx(0.05, rel=0.05)
+    assert controller.costs.step.coefficients()[1][3] == pytest.approx(0.05, rel=0.05)
     assert controller.plan(lookup_rows(1), self_budget=0).lookup_lengths == [0]
     free = trained(t0=0.1, t1=0.01, self_step=0.5, lookup_rate=0.5, self_rate=0.5)
     assert free.plan(lookup_rows(1), self_budget=0).lookup_lengths == [1]
-    controller.lookup = AcceptanceRate(prior=0.9, decay=1.0)
+    controller.acceptance.rates[DraftSource.LOOKUP] = AcceptanceRate(prior=0.9, decay=1.0)
     assert controller.plan(lookup_rows(4), self_budget=0).lookup_lengths == [4]
 
 
@@ -261,7 +261,7 @@ def test_a_closed_batch_of_level_rows_drafts_only_if_every_row_is_likely_to_adva
     level = closed(lookup_rows(*[2] * 8), [40] * 8)
     assert sum(controller.plan(level, self_budget=0).lookup_lengths) > 0
     assert controller.plan(level, self_budget=0, draining=True).lookup_lengths == [0] * 8
-    controller.lookup = AcceptanceRate(prior=0.99, decay=1.0)
+    controller.acceptance.rates[DraftSource.LOOKUP] = AcceptanceRate(prior=0.99, decay=1.0)
     assert controller.plan(level, self_budget=0, draining=True).lookup_lengths == [2] * 8
     one_without = closed(lookup_rows(*[2] * 7, 0), [40] * 8)
     assert controller.plan(one_without, self_budget=0, draining=True).lookup_lengths == [0] * 8
@@ -298,11 +298,11 @@ def test_lookup_acceptance_is_learned_per_request():
     plan = controller.plan(lookup_rows(4, 4), self_budget=0)
     assert plan.lookup_lengths[0] == 4 and plan.lookup_lengths[1] == 0
     controller.forget("r1")
-    assert controller.lookup_rate("r1") == controller.lookup.rate
+    assert controller.acceptance.lookup_rate("r1") == controller.acceptance.rates[DraftSource.LOOKUP].rate
 
 
-SURE = dict(lookup=4, lookup_probs=(0.9, 0.9, 0.9, 0.9), lookup_match=12)  # long, unanimous match
-WEAK = dict(lookup=1, lookup_probs=(0.5,), lookup_match=1)  # one token, one earlier occurrence
+SURE = dict(lookup_tokens=4, lookup_probs=(0.9, 0.9, 0.9, 0.9), lookup_match=12)  # long, unanimous match
+WEAK = dict(lookup_tokens=1, lookup_probs=(0.5,), lookup_match=1)  # one token, one earlier occurrence
 
 
 def with_learned_bins(controller):
@@ -315,7 +315,7 @@ def with_learned_bins(controller):
 def test_lookup_tokens_are_priced_by_how_sure_their_match_is():
     controller = with_learned_bins(trained(t0=0.25, t1=0.03, self_step=0.5, lookup_rate=0.6, self_rate=0.5))
     sure, weak = RowOffer("a", **SURE), RowOffer("b", **WEAK)
-    assert controller.lookup_gains(sure)[-1] > 0.9 and controller.lookup_gains(weak)[0] < 0.1
+    assert controller.acceptance.lookup_gains(sure)[-1] > 0.9 and controller.acceptance.lookup_gains(weak)[0] < 0.1
     assert controller.plan([sure, weak], self_budget=0).lookup_lengths == [4, 0]
 
 
@@ -326,7 +326,7 @@ def test_rates_learned_on_greedy_rows_do_not_price_sampled_rows():
     for _ in range(40):
         controller.observe_draft("z", "lookup", 4, 0, controller.calibration(RowOffer(sampled=True, **SURE)))
     greedy, sampled = RowOffer("a", **SURE), RowOffer("b", sampled=True, **SURE)
-    assert controller.lookup_gains(greedy)[0] > 0.9 and controller.lookup_gains(sampled)[0] < 0.1
+    assert controller.acceptance.lookup_gains(greedy)[0] > 0.9 and controller.acceptance.lookup_gains(sampled)[0] < 0.1
 
 
 def test_each_row_drafts_from_the_source_it_trusts_more():
@@ -341,7 +341,7 @@ def test_a_row_keeps_its_lookup_draft_when_self_drafting_does_not_pay():
     were set aside for self-drafting, which cost about a full step and so was not made; those
     rows then drafted nothing at all."""
     controller = trained(t0=0.25, t1=0.01, self_step=0.3, lookup_rate=0.5, self_rate=0.9)
-    offer = RowOffer("b", lookup=2, can_self_draft=True, lookup_probs=(0.5, 0.5), lookup_match=2)
+    offer = RowOffer("b", lookup_tokens=2, can_self_draft=True, lookup_probs=(0.5, 0.5), lookup_match=2)
     plan = controller.plan([offer], self_budget=4)
     assert (plan.lookup_lengths, plan.self_rows, plan.self_length) == ([2], [False], 0)
 
@@ -359,7 +359,7 @@ def test_a_retry_must_be_able_to_pay_back_its_probe():
     reuses a mask is."""
     controller = trained(t0=0.24, t1=0.015, self_step=0.2, lookup_rate=0.8, self_rate=0.2)
     controller.observe_probe(rows=2, seconds=1.14)
-    assert controller.probe_seconds == pytest.approx(0.57)
+    assert controller.costs.probe_seconds == pytest.approx(0.57)
 
     def retries(**offer):
         row = [dataclasses.replace(self_rows(1)[0], **offer)]
@@ -389,7 +389,7 @@ def test_before_costs_are_known_only_free_drafts_are_made():
 def test_head_ids_map_draft_columns_back_to_token_ids():
     import torch
 
-    from vllm_selfspec.layers import HeadIds
+    from vllm_selfspec.residual_stream import HeadIds
 
     head = torch.randn(50, 8)
     ids = HeadIds(head, num_first=10, extra=torch.tensor([17, 42]))

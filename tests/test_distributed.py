@@ -1,19 +1,21 @@
 """Past one machine, as far as this one can test it: tensor parallelism (masks and drafts
 identical on every rank), Ray Data batch inference with a self-admg engine in every replica on
 a local Ray cluster, and a clear refusal of vLLM's Ray executor, which vLLM 0.32's CPU build
-does not support (README, "Past one machine")."""
+does not support (docs/design.md, "Past one machine")."""
 
 
 import pytest
 from ray import cloudpickle
-from conftest import ENGINE_DEFAULTS, close_llm, load_benchmark, make_llm, spec_counters, token_ids
+from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
 from vllm import SamplingParams
 
-from vllm_selfspec.proposer import proposer_report
+import benchmarks
+from benchmarks import ray_data_batch
+from vllm_selfspec.report import proposer_report
 
-ray_data_batch = load_benchmark("ray_data_batch")
-# Ray's workers cannot import the example by name: ship its classes by value.
-cloudpickle.register_pickle_by_value(ray_data_batch)
+# Ray's workers import modules by name only from the driver's working directory; ship the lab's
+# code by value, so that the test passes from any directory.
+cloudpickle.register_pickle_by_value(benchmarks)
 
 pytestmark = pytest.mark.engine
 
@@ -50,7 +52,8 @@ def test_tensor_parallel_ranks_take_identical_decisions(tiny_model_path, tiny_pr
     the same masks and draft the same tokens."""
     # vLLM's CPU auto-binding wants a NUMA node per rank, and this machine has one: one core each.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    hybrid = {**mixed_options, "lookup_ngram": 4, "adaptive": True}  # rank-local timings
+    hybrid = {**mixed_options, "lookup": True, "adaptive": True,  # rank-local timings
+              "experimental": {**mixed_options["experimental"], "lookup_max_match": 4}}
     llm = make_llm(tiny_model_path, tensor_parallel_size=2, speculative_config=hybrid)
     try:
         outputs = llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False)

@@ -90,7 +90,7 @@ def test_unsupported_architecture(tmp_path):
 def test_pipeline_parallel_is_refused(tiny_model_path):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.config import ParallelConfig
-    from vllm_selfspec.patches.front_door import check_supported
+    from vllm_selfspec.vllm_compat.front_door import check_supported
 
     model_config = EngineArgs(model=str(tiny_model_path)).create_model_config()
     parallel = ParallelConfig(pipeline_parallel_size=2)

@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct (fetched from its PyPI package by vllm_selfspec.assets) on
+"""The real SmolLM2-135M-Instruct (fetched from its PyPI package by benchmarks.assets) on
 HumanEval prompts: greedy output identical to plain decoding in float32; in bfloat16, where
 even vLLM's own methods round differently when they verify several tokens in one pass, every
 divergence is reported with the logit margin where it happens."""
@@ -7,7 +7,7 @@ import pytest
 from conftest import SELF_DRAFTS_ONLY, close_llm, make_llm, spec_counters, token_ids
 from vllm import SamplingParams
 
-from vllm_selfspec import assets
+from benchmarks import assets
 
 NUM_PROMPTS, NUM_TOKENS = 20, 64
 SELF_ADMG = {"method": "self-admg", "num_speculative_tokens": 4}
@@ -63,7 +63,7 @@ def test_bfloat16_divergences_are_near_ties(smollm2, humaneval):
     # Self-drafts only, selected by a byte budget: the path where vLLM's CPU weight repacking
     # once hid the weights' sizes.
     ours, counters = run(smollm2, humaneval, "bfloat16",
-                         {**SELF_ADMG, **SELF_DRAFTS_ONLY, "skip_budget": 0.1})
+                         {**SELF_ADMG, **SELF_DRAFTS_ONLY, "experimental": {"skip_budget": 0.1}})
     assert counters["num_draft_tokens"] > 0
     divergences = {}
     for i, (p, ids) in enumerate(zip(plain, token_ids(ours))):

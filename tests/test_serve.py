@@ -9,9 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from conftest import load_benchmark
 
-serve_load = load_benchmark("serve_load")
+from benchmarks import serve_load
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +32,7 @@ def servers(tiny_model_path, mixed_options, tmp_path_factory):
     plain = serve_load.VllmServer(tiny_model_path, *common, log_path=logs / "plain.log")
     admg = serve_load.VllmServer(
         tiny_model_path, *common, "--speculative-config", json.dumps(mixed_options),
-        "--worker-extension-cls", "vllm_selfspec.proposer.SelfAdmgWorkerExtension",
+        "--worker-extension-cls", "vllm_selfspec.report.SelfAdmgWorkerExtension",
         log_path=logs / "self-admg.log",
         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "DEBUG"})
     try:

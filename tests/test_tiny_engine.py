@@ -19,7 +19,7 @@ from reference import hf_similarities
 from vllm import SamplingParams
 
 from vllm_selfspec.options import SelfAdmgOptions
-from vllm_selfspec.proposer import prompt_key
+from vllm_selfspec.report import prompt_key
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
@@ -231,7 +231,7 @@ def test_default_hybrid_is_lossless(tiny_model_path, tiny_prompt_ids, plain_ids)
     """The default set-up: lookup drafts from the row's own context or from earlier answers,
     self-drafts where lookup is unsure, and the controller deciding how much of each pays.
     Still plain decoding's output, in a batch and alone. Step costs are pinned to Qwen-1.5B's on
-    this CPU at batch 8 (benchmarks/step_costs.py), where a self-draft step costs most of a
+    this CPU at batch 8 (benchmarks/diagnostics/step_costs.py), where a self-draft step costs most of a
     target step."""
     llm = make_llm(tiny_model_path, speculative_config={"method": "self-admg", "num_speculative_tokens": 3})
     try:

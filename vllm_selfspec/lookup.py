@@ -3,7 +3,7 @@
 Code and summaries copy from their context (identifiers, quoted sentences), and answers to
 similar requests repeat each other (boilerplate, a summary's phrasing); such a draft costs no
 forward pass at all. The proposer takes these drafts when they are likely enough and drafts
-with the model itself otherwise (`vllm_selfspec.controller` decides how much of each pays).
+with the model itself otherwise (`vllm_selfspec.control` decides how much of each pays).
 
 The rule is suffix decoding's (Oliaro et al., 2024; vLLM's `suffix` method, arctic-inference's
 `SuffixDecodingCache` with a single path), computed here with numpy and no suffix tree:
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from vllm_selfspec.control.acceptance import DraftSource
 
 SEPARATOR = -1  # between outputs in a history: no continuation crosses it
 
@@ -124,12 +126,12 @@ class OutputHistory:
 
 
 def lookup_draft(context: np.ndarray, max_tokens: int, max_match: int,
-                 history: OutputHistory | None) -> tuple[str, LookupDraft]:
+                 history: OutputHistory | None) -> tuple[DraftSource, LookupDraft]:
     """The better of the context's own draft and the history's, by score (own on ties), with
-    its source: "lookup" (own context) or "history"."""
+    its source."""
     own = suffix_draft(context, max_tokens, max_match=max_match)
     if history is not None:
         earlier = history.draft(context, max_tokens, max_match)
         if earlier.score > own.score:
-            return "history", earlier
-    return "lookup", own
+            return DraftSource.HISTORY, earlier
+    return DraftSource.LOOKUP, own

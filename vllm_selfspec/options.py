@@ -1,16 +1,22 @@
-"""The options of the self-admg method: names, defaults, allowed values, and one parser.
+"""The options of the self-admg method: one schema for names, types, ranges, defaults and help.
 
-Users pass them inside vLLM's speculative config, next to vLLM's own keys:
+Users pass them inside vLLM's speculative config, next to vLLM's own keys; knobs for experiments
+go under one key, "experimental":
 
-    {"method": "self-admg", "num_speculative_tokens": 4, "attention_threshold": 0.98}
+    {"method": "self-admg", "num_speculative_tokens": 4, "attention_threshold": 0.98,
+     "experimental": {"draft_vocab": 0}}
 
-`parse_speculative_config` splits such a dict into vLLM's part and ours and validates ours,
-raising `SelfAdmgConfigError` (a `ValueError`) that names the option and what is allowed.
+Each field of `SelfAdmgOptions` carries its `OptionSpec`; validation, the error messages, the
+README's option table (`python -m vllm_selfspec.options`) and the workers' copy all come from
+it. `parse_speculative_config` splits a user's dict into vLLM's part and ours, raising
+`SelfAdmgConfigError` (a `ValueError`) that names the option and what is allowed.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,9 +24,8 @@ from typing import Any
 METHOD_NAME = "self-admg"
 PROPOSER_PATH = "vllm_selfspec.proposer.SelfAdmgProposer"
 ADDITIONAL_CONFIG_KEY = "self_admg"
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+EXPERIMENTAL_KEY = "experimental"
 
-SKIP_CHOICES = ("attention", "attention+mlp")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -30,151 +35,176 @@ SUPPORTED_ARCHITECTURES = (
 # vLLM speculative-config keys that mean nothing for a self-draft; rejected rather than ignored.
 FOREIGN_VLLM_KEYS = ("model", "draft_tensor_parallel_size", "quantization", "revision")
 
+logger = logging.getLogger("vllm.selfspec")
+
 
 class SelfAdmgConfigError(ValueError):
     """A bad self-admg option or an unsupported set-up, reported before the engine starts."""
 
 
 @dataclass(frozen=True)
+class OptionSpec:
+    """What one option accepts: its type, an inclusive range or a list of choices, and help."""
+
+    help: str
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    choices: tuple = ()
+    experimental: bool = False
+
+    def allowed(self) -> str:
+        if self.choices:
+            return f"one of {list(self.choices)}"
+        if self.kind is bool:
+            return "true or false"
+        return f"{'an integer' if self.kind is int else 'a number'} in [{self.low}, {self.high}]"
+
+    def validate(self, name: str, value: Any) -> Any:
+        """`value` as this option's type, or a SelfAdmgConfigError naming the option and what
+        it allows."""
+        if self.choices or self.kind is bool:
+            if (value in self.choices) if self.choices else isinstance(value, bool):
+                return value
+            raise SelfAdmgConfigError(f"self-admg option {name!r} must be {self.allowed()}, got {value!r}")
+        # bool is an int subclass, but "true" as a threshold is a typo, not 1.
+        ok_types = (int,) if self.kind is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, ok_types):
+            raise SelfAdmgConfigError(f"self-admg option {name!r} must be {self.allowed()}, got {value!r}")
+        if not (self.low <= value <= self.high) or (isinstance(value, float) and math.isnan(value)):
+            raise SelfAdmgConfigError(
+                f"self-admg option {name!r} must be in [{self.low}, {self.high}], got {value!r}")
+        return self.kind(value)
+
+
+def option(default: Any, help: str, low: float | None = None, high: float | None = None,
+           choices: tuple = (), experimental: bool = False):
+    spec = OptionSpec(help, type(default), low, high, choices, experimental)
+    return field(default=default, metadata={"spec": spec})
+
+
+# vLLM's own key, validated and documented with ours.
+NUM_SPECULATIVE_TOKENS = OptionSpec("maximum draft length K", int, 1, 32)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True)
 class SelfAdmgOptions:
-    """How each sequence's draft model is chosen and run. Every field is a user option.
+    """How each sequence's draft is chosen and run. The thresholds' defaults were the best of the
+    settings tried on SmolLM2-135M-Instruct, HumanEval, batch 1 (docs/results.md)."""
 
-    The defaults were the best of the settings tried on SmolLM2-135M-Instruct, HumanEval, batch
-    1, bfloat16 (acceptance 81%); see README for what they measure and benchmarks/ for sweeps.
-    """
-
-    skip: str = field(
-        default="attention+mlp",
-        metadata={"help": "which sublayers a draft may skip: 'attention' (the paper) or "
-                          "'attention+mlp'"},
-    )
-    attention_threshold: float = field(
-        default=0.99,
-        metadata={"help": "skip an attention sublayer when the prompt's mean cosine similarity "
-                          "of the residual stream before and after it is above this (-1..1)"},
-    )
-    mlp_threshold: float = field(
-        default=0.975,
-        metadata={"help": "the same for MLP sublayers (used with skip='attention+mlp')"},
-    )
-    keep_edge_layers: int = field(
-        default=1,
-        metadata={"help": "structural rule 1: never skip anything in the first and the last "
-                          "N decoder layers (0 turns the rule off)"},
-    )
-    fill_gaps: int = field(
-        default=1,
-        metadata={"help": "structural rule 2: also skip a kept sublayer when sublayers of the "
-                          "same kind are skipped within N layers on both sides (0 = off)"},
-    )
-    draft_exit_threshold: float = field(
-        default=0.5,
-        metadata={"help": "stop a sequence's draft when the draft's top-1 probability falls "
-                          "below this (0 = always draft num_speculative_tokens)"},
-    )
-    stats_window: int = field(
-        # Not the paper's whole prompt: the probe runs eagerly, so over a 1000-token news prompt
-        # it cost 3 s, more than the drafts it enabled saved (NOTES, attempt 10).
-        default=32,
-        metadata={"help": "measure similarities over the last N prompt tokens (0 = the whole "
-                          "prompt, as in the paper)"},
-    )
-    skip_budget: float = field(
-        default=0.0,
-        metadata={"help": "instead of the thresholds: skip the sublayers that change the stream "
-                          "least per weight byte until this share of the layers' bytes is saved "
-                          "(0 = use the thresholds, as in the paper)"},
-    )
-    draft_vocab: int = field(
-        default=32768,
-        metadata={"help": "the draft's LM head scores only the first N token ids plus those in "
-                          "the sequence's context, saving most of the head's weight reads (0 = "
-                          "the whole vocabulary)"},
-    )
-    lookup_ngram: int = field(
-        default=24,
-        metadata={"help": "draft by lookup, following the earlier occurrences of the context's "
-                          "last 1..N tokens, and with the model itself where lookup offers "
-                          "nothing (0 = self-drafts only)"},
-    )
-    lookup_history: int = field(
-        default=65536,
-        metadata={"help": "look up in the outputs of earlier requests too, keeping the last N "
-                          "tokens of them (0 = the row's own context only)"},
-    )
-    adaptive: bool = field(
-        default=True,
-        metadata={"help": "draft only as many tokens as measured step costs and acceptance say "
-                          "pay, down to none (false = always draft num_speculative_tokens)"},
-    )
+    skip: str = option(
+        "attention+mlp", "which sublayers a draft may skip: 'attention' (the paper) or both",
+        choices=("attention", "attention+mlp"))
+    attention_threshold: float = option(
+        0.99, "skip an attention sublayer when the prompt's mean cosine similarity of the residual "
+              "stream before and after it is above this", -1.0, 1.0)
+    mlp_threshold: float = option(
+        0.975, "the same for MLP sublayers (with skip 'attention+mlp')", -1.0, 1.0)
+    keep_edge_layers: int = option(
+        1, "structural rule: skip nothing in the first and the last N decoder layers (0 = off)",
+        0, 1_000_000)
+    fill_gaps: int = option(
+        1, "structural rule: also skip a kept sublayer whose same-kind neighbours within N layers "
+           "on both sides are skipped (0 = off)", 0, 1_000_000)
+    draft_exit_threshold: float = option(
+        0.5, "stop a sequence's draft when the draft's top-1 probability falls below this "
+             "(0 = always draft K tokens)", 0.0, 1.0)
+    # Not the paper's whole prompt by default: the probe runs eagerly, and over a 1000-token
+    # prompt it costs more than the drafts it enables save on a CPU.
+    stats_window: int = option(
+        32, "measure the similarities over the prompt's last N tokens (0 = the whole prompt, as "
+            "in the paper)", 0, 1_000_000)
+    lookup: bool = option(
+        True, "also draft by lookup: continue the context as its earlier occurrences did, and "
+              "self-draft where lookup offers nothing")
+    lookup_history: int = option(
+        65536, "look up in earlier requests' outputs too, keeping the last N tokens of them "
+               "(0 = off)", 0, 100_000_000)
+    adaptive: bool = option(
+        True, "draft only as many tokens as measured step costs and acceptance say pay, down to "
+              "none (false = always K)")
+    skip_budget: float = option(
+        0.0, "instead of the thresholds: skip the sublayers that change the stream least per "
+             "weight byte until this share of the layers' bytes is saved (0 = thresholds)",
+        0.0, 0.95, experimental=True)
+    draft_vocab: int = option(
+        32768, "the draft's LM head scores only the first N token ids plus those in the "
+               "sequence's context (0 = the whole vocabulary)", 0, 1_000_000, experimental=True)
+    lookup_max_match: int = option(
+        24, "lookup matches at most the context's last N tokens", 1, 64, experimental=True)
 
     @property
     def skips_mlp(self) -> bool:
         return self.skip == "attention+mlp"
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The options as a user writes them (experimental ones under their key)."""
+        public = {name: getattr(self, name) for name, spec in SPECS.items() if not spec.experimental}
+        public[EXPERIMENTAL_KEY] = {name: getattr(self, name) for name, spec in SPECS.items() if spec.experimental}
+        return public
 
 
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(SelfAdmgOptions))
+SPECS: dict[str, OptionSpec] = {f.name: f.metadata["spec"] for f in dataclasses.fields(SelfAdmgOptions)}
+DEFAULTS = SelfAdmgOptions()
+
+# Old spellings kept working: name -> (new spelling, how to translate the value).
+DEPRECATED = {
+    "skip_budget": (f"{EXPERIMENTAL_KEY}.skip_budget", lambda v: {EXPERIMENTAL_KEY: {"skip_budget": v}}),
+    "draft_vocab": (f"{EXPERIMENTAL_KEY}.draft_vocab", lambda v: {EXPERIMENTAL_KEY: {"draft_vocab": v}}),
+    "lookup_ngram": ("lookup (false for 0) and experimental.lookup_max_match",
+                     lambda v: {"lookup": False} if v == 0 else {EXPERIMENTAL_KEY: {"lookup_max_match": v}}),
+}
+_deprecation_warned: set[str] = set()
 
 
-def describe_options() -> str:
-    """One line per option with its default, for error messages and --help text."""
-    lines = [f"  {f.name} (default {f.default!r}): {f.metadata['help']}"
-             for f in dataclasses.fields(SelfAdmgOptions)]
-    lines.append(f"  num_speculative_tokens (default {DEFAULT_NUM_SPECULATIVE_TOKENS}): maximum "
-                 "draft length, 1..32")
+def describe_options(experimental: bool = False) -> str:
+    """One line per option with its default and what it accepts, for error messages."""
+    lines = [f"  {name} (default {getattr(DEFAULTS, name)!r}, {spec.allowed()}): {spec.help}"
+             for name, spec in SPECS.items() if spec.experimental == experimental]
+    if not experimental:
+        lines.append(f"  num_speculative_tokens (default {DEFAULT_NUM_SPECULATIVE_TOKENS}, "
+                     f"{NUM_SPECULATIVE_TOKENS.allowed()}): {NUM_SPECULATIVE_TOKENS.help}")
+        lines.append(f"  {EXPERIMENTAL_KEY}: a dict of experimental options, listed by "
+                     "`python -m vllm_selfspec.options --experimental`")
     return "\n".join(lines)
 
 
-def _number(name: str, value: Any, kind: type, low: float, high: float) -> Any:
-    # bool is an int subclass; "True" as a threshold is a typo, not 1.
-    ok_types = (int,) if kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, ok_types):
-        raise SelfAdmgConfigError(
-            f"self-admg option {name!r} must be {'an integer' if kind is int else 'a number'} "
-            f"in [{low}, {high}], "
-            f"got {value!r}"
-        )
-    if not (low <= value <= high) or (isinstance(value, float) and math.isnan(value)):
-        raise SelfAdmgConfigError(
-            f"self-admg option {name!r} must be in [{low}, {high}], got {value!r}"
-        )
-    return kind(value)
+def _translate_deprecated(raw: dict[str, Any]) -> dict[str, Any]:
+    values = {k: v for k, v in raw.items() if k not in DEPRECATED}
+    experimental = dict(values.pop(EXPERIMENTAL_KEY, None) or {})
+    for old in sorted(set(raw) & set(DEPRECATED)):
+        new_name, translate = DEPRECATED[old]
+        if old not in _deprecation_warned:
+            _deprecation_warned.add(old)
+            logger.warning("self-admg option %r is deprecated; use %s instead", old, new_name)
+        moved = translate(raw[old])
+        experimental.update(moved.pop(EXPERIMENTAL_KEY, {}))
+        values.update(moved)
+    return {**values, **experimental}
 
 
 def make_options(raw: dict[str, Any]) -> SelfAdmgOptions:
-    """Validate user options (only self-admg's own keys) into `SelfAdmgOptions`."""
-    unknown = sorted(set(raw) - set(OPTION_NAMES))
+    """Validate user options (self-admg's own keys, experimental ones under their key)."""
+    nested = raw.get(EXPERIMENTAL_KEY) or {}
+    if not isinstance(nested, dict):
+        raise SelfAdmgConfigError(f"self-admg option {EXPERIMENTAL_KEY!r} must be a dict, got {nested!r}")
+    misplaced = sorted(k for k in nested if k in SPECS and not SPECS[k].experimental)
+    if misplaced:
+        raise SelfAdmgConfigError(f"self-admg option(s) {misplaced} are not experimental: give them "
+                                  f"at the top level of the speculative config")
+    unknown_nested = sorted(set(nested) - {k for k, s in SPECS.items() if s.experimental})
+    if unknown_nested:
+        raise SelfAdmgConfigError(f"unknown experimental self-admg option(s) {unknown_nested}; allowed "
+                                  f"are:\n{describe_options(experimental=True)}")
+    top_level_experimental = sorted(k for k in raw if k in SPECS and SPECS[k].experimental
+                                    and k not in DEPRECATED)
+    unknown = sorted(set(raw) - set(SPECS) - set(DEPRECATED) - {EXPERIMENTAL_KEY}) + top_level_experimental
     if unknown:
         raise SelfAdmgConfigError(
-            f"unknown self-admg option(s) {unknown}; allowed options are:\n{describe_options()}"
-        )
-    values = dict(raw)
-    if "skip" in values and values["skip"] not in SKIP_CHOICES:
-        raise SelfAdmgConfigError(
-            f"self-admg option 'skip' must be one of {list(SKIP_CHOICES)}, got {values['skip']!r}"
-        )
-    for name in ("attention_threshold", "mlp_threshold"):
-        if name in values:
-            values[name] = _number(name, values[name], float, -1.0, 1.0)
-    if "skip_budget" in values:
-        values["skip_budget"] = _number("skip_budget", values["skip_budget"], float, 0.0, 0.95)
-    if "draft_exit_threshold" in values:
-        values["draft_exit_threshold"] = _number(
-            "draft_exit_threshold", values["draft_exit_threshold"], float, 0.0, 1.0)
-    for name in ("keep_edge_layers", "fill_gaps", "stats_window", "draft_vocab"):
-        if name in values:
-            values[name] = _number(name, values[name], int, 0, 1_000_000)
-    if "lookup_history" in values:
-        values["lookup_history"] = _number("lookup_history", values["lookup_history"], int, 0, 100_000_000)
-    if "lookup_ngram" in values:
-        values["lookup_ngram"] = _number("lookup_ngram", values["lookup_ngram"], int, 0, 64)
-    if "adaptive" in values and not isinstance(values["adaptive"], bool):
-        raise SelfAdmgConfigError(
-            f"self-admg option 'adaptive' must be true or false, got {values['adaptive']!r}")
-    return SelfAdmgOptions(**values)
+            f"unknown self-admg option(s) {unknown}; allowed options are:\n{describe_options()}")
+    values = _translate_deprecated(raw)
+    return SelfAdmgOptions(**{name: SPECS[name].validate(name, v) for name, v in values.items()})
 
 
 def is_self_admg(spec: dict[str, Any] | None) -> bool:
@@ -201,7 +231,7 @@ def parse_speculative_config(
             f"self-admg drafts with the target model itself, so give either "
             f"method='{METHOD_NAME}' or model='{METHOD_NAME}' and no other draft model"
         )
-    ours = {k: spec.pop(k) for k in list(spec) if k in OPTION_NAMES or k not in vllm_field_names}
+    ours = {k: spec.pop(k) for k in list(spec) if k in SPECS or k not in vllm_field_names}
     foreign = sorted(k for k in spec if k in FOREIGN_VLLM_KEYS)
     if foreign:
         raise SelfAdmgConfigError(
@@ -209,9 +239,31 @@ def parse_speculative_config(
             f"the target model itself; its options are:\n{describe_options()}")
     options = make_options(ours)
     k = spec.get("num_speculative_tokens")
-    if k is None:
-        k = DEFAULT_NUM_SPECULATIVE_TOKENS
-    spec["num_speculative_tokens"] = _number("num_speculative_tokens", k, int, 1, 32)
+    spec["num_speculative_tokens"] = NUM_SPECULATIVE_TOKENS.validate(
+        "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k)
     spec["method"] = "custom_class"
     spec["model"] = PROPOSER_PATH
     return spec, options
+
+
+def options_table(experimental: bool = False) -> str:
+    """The options as a Markdown table (the README's is this, kept equal by a test)."""
+    rows = [("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS, NUM_SPECULATIVE_TOKENS)] if not experimental else []
+    rows += [(name, getattr(DEFAULTS, name), spec) for name, spec in SPECS.items()
+             if spec.experimental == experimental]
+    lines = ["| option | default | allowed | meaning |", "|---|---|---|---|"]
+    for name, default, spec in rows:
+        shown = str(default).lower() if isinstance(default, bool) else (
+            f'"{default}"' if isinstance(default, str) else default)
+        lines.append(f"| `{name}` | {shown} | {spec.allowed()} | {spec.help} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Print self-admg's options as a Markdown table.")
+    parser.add_argument("--experimental", action="store_true", help="the experimental options instead")
+    print(options_table(parser.parse_args(argv).experimental))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""How much to draft, from measured costs and acceptance: pure arithmetic, no vLLM.
+
+Three parts, each unit-tested in tests/test_controller.py:
+- `step_costs`: what a target step, a self-draft step and a probe cost (fitted online);
+- `acceptance`: how likely a draft token is to be accepted (per source, request, lookup bin);
+- `planner`: from both, how many tokens each row drafts this step, and from which source.
+
+`DraftController` holds the three for the proposer, which tells it what happened (`observe_*`)
+and asks it, each step, for a `DraftPlan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_selfspec.control.acceptance import AcceptanceModel, AcceptanceRate, BinPrior, DraftSource
+from vllm_selfspec.control.planner import DraftPlan, DraftPlanner, RowOffer
+from vllm_selfspec.control.step_costs import StepCostModel
+
+__all__ = ["AcceptanceRate", "BinPrior", "DraftController", "DraftPlan", "DraftSource", "RowOffer"]
+
+
+@dataclass
+class DraftController:
+    costs: StepCostModel = field(default_factory=StepCostModel)
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    planner: DraftPlanner = field(init=False)
+
+    def __post_init__(self):
+        self.planner = DraftPlanner(self.costs, self.acceptance)
+
+    # What happened.
+    def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float,
+                     draft_tokens: int = 0) -> None:
+        self.costs.observe_step(prompt_tokens, logit_rows, sampled_rows, seconds, draft_tokens)
+
+    def observe_self_step(self, rows: int, seconds: float) -> None:
+        self.costs.observe_self_step(rows, seconds)
+
+    def observe_probe(self, rows: int, seconds: float) -> None:
+        self.costs.observe_probe(rows, seconds)
+
+    def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int,
+                      bins: list[BinPrior] = ()) -> None:
+        self.acceptance.observe_draft(req_id, source, drafted, accepted, bins)
+
+    def forget(self, req_id: str) -> None:
+        self.acceptance.forget(req_id)
+
+    # What to do.
+    def plan(self, offers: list[RowOffer], self_budget: int, draining: bool = False) -> DraftPlan:
+        return self.planner.plan(offers, self_budget, draining)
+
+    def calibration(self, offer: RowOffer, length: int | None = None) -> list[BinPrior]:
+        return self.acceptance.calibration(offer, length)

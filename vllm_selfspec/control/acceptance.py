@@ -1,0 +1,157 @@
+"""How likely a draft token is to be accepted: per draft source, per request and per lookup bin.
+
+A source's tokens are verified in order, so a draft of d tokens with a accepted was a + (a < d)
+Bernoulli trials. Lookup and history rates are also kept per request (code and prose copy from
+their context very differently) and per token bin: a lookup draft says how sure each token is
+(how many earlier occurrences agree, how long a match they share), and a bin's rate is learned
+from the tokens drafted in it, starting from that agreement share.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class DraftSource(str, Enum):
+    """Where a row's draft came from."""
+
+    LOOKUP = "lookup"  # the row's own context
+    HISTORY = "history"  # earlier requests' outputs
+    SELF = "self"  # the target model with skipped sublayers
+
+
+@dataclass
+class Decayed:
+    """An exponentially weighted sum, so that old observations fade out."""
+
+    decay: float
+    value: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.value = self.decay * self.value + x
+
+
+@dataclass
+class AcceptanceRate:
+    """Per-token acceptance of one draft source, from (drafted, accepted) outcomes."""
+
+    prior: float
+    decay: float = 0.98
+    accepted: Decayed = field(init=False)
+    trials: Decayed = field(init=False)
+
+    def __post_init__(self):
+        # Two pseudo-trials at the prior, so that the first outcomes do not swing it to 0 or 1.
+        self.accepted, self.trials = Decayed(self.decay, 2 * self.prior), Decayed(self.decay, 2.0)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.accepted.add(accepted)
+            self.trials.add(accepted + (accepted < drafted))
+
+    @property
+    def rate(self) -> float:
+        return min(self.accepted.value / self.trials.value, 0.999)
+
+
+MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
+AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
+
+
+def agreement(probs: tuple[float, ...]) -> list[float]:
+    """Per lookup token, the share of the occurrences behind the previous token that agree on
+    this one (p_j / p_j-1)."""
+    return [p / previous for p, previous in zip(probs, (1.0, *probs))]
+
+
+def token_bins(source: str, probs: tuple[float, ...], match: int, length: int,
+               sampled: bool = False) -> list[tuple]:
+    """Each lookup draft token's calibration bin: its source, whether its row samples (a
+    sampled row accepts a token with the target's probability of it, a greedy row only if it
+    is the argmax: rates learned on one say little about the other), its match-length bucket
+    and its agreement bucket. Without probabilities, one bin per source and kind of row."""
+    source = DraftSource(source).value
+    if not probs:
+        return [(source, sampled)] * length
+    match_bucket = bisect.bisect_right(MATCH_EDGES, match)
+    return [(source, sampled, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, share))
+            for share in agreement(probs[:length])]
+
+
+@dataclass(frozen=True)
+class BinPrior:
+    """A lookup token's calibration bin and the rate it starts from."""
+
+    bin: tuple
+    prior: float
+
+
+def default_rates() -> dict[DraftSource, AcceptanceRate]:
+    return {DraftSource.LOOKUP: AcceptanceRate(prior=0.6), DraftSource.HISTORY: AcceptanceRate(prior=0.4),
+            DraftSource.SELF: AcceptanceRate(prior=0.7)}
+
+
+@dataclass
+class AcceptanceModel:
+    rates: dict[DraftSource, AcceptanceRate] = field(default_factory=default_rates)
+    # Lookup acceptance per request and source (prior: the source's overall rate).
+    _by_request: dict[tuple[str, DraftSource], AcceptanceRate] = field(default_factory=dict)
+    # Lookup acceptance per token bin (prior: the agreement share of its first token).
+    _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
+
+    def rate(self, source: str) -> float:
+        return self.rates[DraftSource(source)].rate
+
+    @property
+    def self_rate(self) -> float:
+        return self.rates[DraftSource.SELF].rate
+
+    def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int,
+                      bins: list[BinPrior] = ()) -> None:
+        """What verification made of a row's draft from `source`, with its lookup tokens'
+        calibration (`calibration`)."""
+        source = DraftSource(source)
+        overall = self.rates[source]
+        overall.observe(drafted, accepted)
+        if source != DraftSource.SELF:
+            key = (req_id, source)
+            if key not in self._by_request:
+                self._by_request[key] = AcceptanceRate(prior=overall.rate, decay=0.95)
+            self._by_request[key].observe(drafted, accepted)
+        for j, token in enumerate(bins[:min(accepted + 1, drafted)]):  # accepted, the first rejected
+            if token.bin not in self._by_bin:
+                self._by_bin[token.bin] = AcceptanceRate(prior=min(token.prior, 0.999))
+            self._by_bin[token.bin].observe(1, int(j < accepted))
+
+    def forget(self, req_id: str) -> None:
+        for source in (DraftSource.LOOKUP, DraftSource.HISTORY):
+            self._by_request.pop((req_id, source), None)
+
+    def lookup_rate(self, req_id: str, source: str = DraftSource.LOOKUP) -> float:
+        source = DraftSource(source)
+        rate = self._by_request.get((req_id, source))
+        return rate.rate if rate else self.rates[source].rate
+
+    def calibration(self, offer, length: int | None = None) -> list[BinPrior]:
+        """The bins and priors of an offer's first `length` lookup tokens (all by default). A
+        token's prior is the share of occurrences that agree on it (suffix decoding's own
+        estimate), or without probabilities its source's overall rate."""
+        length = offer.lookup_tokens if length is None else length
+        shares = agreement(offer.lookup_probs) or [self.rate(offer.lookup_source)] * offer.lookup_tokens
+        return [BinPrior(b, p) for b, p in zip(offer.lookup_bins[:length], shares[:length])]
+
+    def lookup_gains(self, offer) -> list[float]:
+        """Expected tokens from each depth j of a row's lookup draft: the chance that its first
+        j tokens are all accepted, the product of each token's rate, scaled by how this
+        request's drafts fare against its source's. Never rises with depth. A token's rate is
+        its bin's; in a bin not seen yet, its prior, not the source's overall rate, which weak
+        drafts drag down."""
+        request = self.lookup_rate(offer.req_id, offer.lookup_source) / self.rate(offer.lookup_source)
+        gains, gain = [], 1.0
+        for token in self.calibration(offer):
+            rate = self._by_bin[token.bin].rate if token.bin in self._by_bin else token.prior
+            gain *= min(rate * request, 0.999)
+            gains.append(gain)
+        return gains

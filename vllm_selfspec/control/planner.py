@@ -1,0 +1,246 @@
+"""How many tokens each row drafts this step, and from which source: draft only what pays.
+
+A plain step yields B tokens. Each added draft token at depth j, from a source whose tokens are
+accepted with probability a, adds a**j expected tokens at the price of c_i = t_row (+ t_sampled)
+for a lookup token, or c_i + e(m)/m per row for a self-draft (e(m): a self-draft step over m
+rows). Adding a token raises tokens per second exactly when its gain per second beats the
+current rate, so the steady plan takes the best ratios while they do, and is kept only if it
+beats plain decoding with verification's fixed cost paid. With nothing worth drafting the plan
+is plain decoding.
+
+Draining batches. The steady plan values a row's accepted token as the step time it frees for
+someone else. When no request has been admitted for a while (an offline batch finishing), a
+freed slot stays empty and the batch lasts as long as its longest row: a step is saved only when
+every row with the most tokens left advances, and a row d tokens ahead of them must advance by
+r - d for the batch to end r steps sooner. So a draining plan drafts to a common finish line r
+(each row takes r - d of its draft, lookup or self) and is worth t0 * E[min over rows of
+(d + accepted)] + c_i per accepted token, against what its drafts cost: the best r, or none.
+Credited row by row instead, a closed batch drafts in most steps and still takes a step per
+token, since one row or another always has no draft.
+
+Retries. A source that is not used is not measured, so self-drafting, once it stops paying, is
+retried now and then (one draft step, on a back-off schedule), but only if its best case, every
+token accepted over the rows' tokens left, would pay back the retry: the draft step, and the
+probe of a new prompt when no row has a mask yet (a probe costs a few target steps).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, token_bins
+from vllm_selfspec.control.step_costs import StepCostModel
+
+FIRST_RETRY_AFTER = 16  # steps without self-drafting before a retry; doubles after each
+LAST_RETRY_AFTER = 1024
+
+
+@dataclass
+class RowOffer:
+    """What one row of the batch can draft this step."""
+
+    req_id: str = ""
+    lookup_tokens: int = 0  # offered by lookup, from the row's own context or from history
+    lookup_source: DraftSource = DraftSource.LOOKUP
+    can_self_draft: bool = False  # budget left: may draft with the model (instead of lookup)
+    sampled: bool = False  # temperature > 0: verifying its drafts costs a softmax each
+    lookup_probs: tuple[float, ...] = ()  # per lookup token, see vllm_selfspec.lookup
+    lookup_match: int = 0
+    remaining: int | None = None  # tokens the request may still emit (None: no limit known)
+    has_mask: bool = False  # its prompt is probed already: a self-draft needs no probe
+
+    @property
+    def tokens_left(self) -> float:
+        return math.inf if self.remaining is None else self.remaining
+
+    @property
+    def lookup_bins(self) -> list[tuple]:
+        return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup_tokens,
+                          self.sampled)
+
+
+@dataclass
+class DraftPlan:
+    lookup_lengths: list[int]  # per offer (0 for rows that do not take a lookup draft)
+    self_length: int  # draft steps for the self-draft rows
+    explored: bool = False  # a retry of self-drafting
+    self_rows: list[bool] = field(default_factory=list)  # per offer: drafts with the model if any
+
+    @staticmethod
+    def everything(offers: list[RowOffer], self_budget: int) -> DraftPlan:
+        """Every lookup draft whole, self-drafts of the full budget where lookup has none."""
+        return DraftPlan([o.lookup_tokens for o in offers], self_budget, False,
+                         [o.can_self_draft and not o.lookup_tokens for o in offers])
+
+    def as_ints(self) -> list[int]:
+        """Flat, for sending between ranks (`from_ints`)."""
+        return [self.self_length, int(self.explored), *self.lookup_lengths, *map(int, self.self_rows)]
+
+    @staticmethod
+    def from_ints(values: list[int], rows: int) -> DraftPlan:
+        return DraftPlan(list(values[2:2 + rows]), values[0], bool(values[1]),
+                         [bool(x) for x in values[2 + rows:]])
+
+
+@dataclass
+class Choice:
+    """A plan under construction: its drafts, the tokens a step with them is expected to yield,
+    its expected seconds, and the seconds self-drafting could save at best."""
+
+    lookup_lengths: list[int]
+    self_length: int = 0
+    self_rows: set[int] = field(default_factory=set)
+    tokens: float = 0.0
+    seconds: float = 1.0
+    best_self_saving: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class DraftPlanner:
+    costs: StepCostModel
+    acceptance: AcceptanceModel
+    retry_after: int = FIRST_RETRY_AFTER
+    _idle_steps: int = 0
+
+    def plan(self, offers: list[RowOffer], self_budget: int, draining: bool = False) -> DraftPlan:
+        """Draft lengths for one step over these rows (every row that sampled a token);
+        `draining`: no request admitted lately, so only the batch's end counts."""
+        if not self.costs.ready:  # learn the step cost first, with the drafts that cost nothing
+            return DraftPlan([o.lookup_tokens for o in offers], 0, False, [False] * len(offers))
+        step = self.costs.target()
+        cost = [max(step.t_row + step.t_sampled * o.sampled, 1e-9) for o in offers]
+        gains = [self.acceptance.lookup_gains(o) if o.lookup_tokens else [] for o in offers]
+        # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
+        # than a self-draft's.
+        a_self = self.acceptance.self_rate
+        self_rows = [i for i, o in enumerate(offers) if o.can_self_draft and (
+            not o.lookup_tokens or (self.costs.self_step_measured and gains[i][0] < a_self))]
+        if draining and len(offers) > 1:  # (one row's end is the batch's: the steady plan is that)
+            choice = self._drain(offers, gains, cost, step.t0, step.t_verify, self_budget)
+            # At best (every token accepted) a self-draft over these rows saves a step per draft
+            # step, on up to K/(K+1) of the steps left to the batch's end.
+            self_step = self.costs.self_step_seconds(len(self_rows))
+            choice.best_self_saving = (step.t0 - self_step - step.t_verify) * max(o.tokens_left for o in offers)
+        else:
+            choice = self._steady(offers, gains, cost, step.t0, step.t_verify, self_rows, self_budget)
+        explored = False
+        if self_rows and choice.self_length == 0 and self_budget:
+            explored = self._maybe_retry(offers, self_rows, choice, self_budget)
+        elif choice.self_length > 0:
+            self._idle_steps, self.retry_after = 0, FIRST_RETRY_AFTER
+        return DraftPlan(choice.lookup_lengths, choice.self_length, explored,
+                         [i in choice.self_rows for i in range(len(offers))])
+
+    def _steady(self, offers, gains, cost, t0, t_verify, self_rows, self_budget) -> Choice:
+        """The plan with the most tokens per second: lookup only, or self-drafts for
+        `self_rows` with lookup for the rest (so a row that self-drafting does not pay for keeps
+        its lookup draft)."""
+        plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=t0 + sum(cost))
+        self_token_cost = sum(cost[i] for i in self_rows) + self.costs.self_step_seconds(len(self_rows))
+        # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
+        # the plan only if it beats plain decoding.
+        verifying = (plain.tokens, plain.seconds + t_verify)
+        best = self._greedy(offers, gains, cost, verifying)
+        if self_rows and self.costs.self_step_measured and self_budget:
+            with_self = self._greedy(offers, gains, cost, verifying, self_rows, self_budget, self_token_cost)
+            if with_self.self_length and with_self.rate > best.rate:
+                best = with_self
+        if best.rate <= plain.rate:
+            best = plain
+        # At best each self-draft token costs self_token_cost / m, not the plan's seconds per token.
+        per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
+        best.best_self_saving = per_token * sum(offers[i].tokens_left for i in self_rows)
+        return best
+
+    def _maybe_retry(self, offers, self_rows, choice: Choice, self_budget: int) -> bool:
+        """Turn `choice` into a one-step self-draft retry when one is due and could pay: with
+        the rows that have a mask, or else one new row (one probe)."""
+        self._idle_steps += 1
+        retry_rows = {i for i in self_rows if offers[i].has_mask} or {self_rows[0]}
+        if (self._idle_steps < self.retry_after
+                or not self._retry_pays(offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1))):
+            return False
+        self._idle_steps = 0
+        self.retry_after = min(2 * self.retry_after, LAST_RETRY_AFTER)
+        choice.self_length, choice.self_rows = 1, retry_rows
+        choice.lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(choice.lookup_lengths)]
+        return True
+
+    def _retry_pays(self, offers, retry_rows, best_saving: float) -> bool:
+        """Whether a retry could pay back what it costs, one draft step over `retry_rows` and a
+        probe if they have no mask yet: probes cost a few target steps, and retries whose best
+        case saves less only slow a batch down. A source never measured is always worth a try."""
+        if not self.costs.self_step_measured:
+            return True
+        probe = 0.0 if offers[next(iter(retry_rows))].has_mask else self.costs.probe_seconds or 0.0
+        return best_saving > self.costs.self_step_seconds(len(retry_rows)) + probe
+
+    def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0) -> Choice:
+        """Add draft tokens, best gain per second first, while each beats the step's rate so far."""
+        tokens, seconds = start
+        choice = Choice([0] * len(offers), self_rows=set(self_rows))
+        # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
+        # so a row's next token is queued only once its last is taken.
+        candidates = [(-gains[i][0] / cost[i], "lookup", i, 1)
+                      for i, offer in enumerate(offers) if offer.lookup_tokens and i not in self_rows]
+        a_self, m = self.acceptance.self_rate, len(self_rows)
+        if self_rows and self_budget:
+            candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
+        heapq.heapify(candidates)
+        while candidates and -candidates[0][0] > tokens / seconds:
+            _, kind, i, depth = heapq.heappop(candidates)
+            if kind == "lookup":
+                choice.lookup_lengths[i] = depth
+                tokens, seconds = tokens + gains[i][depth - 1], seconds + cost[i]
+                if depth < offers[i].lookup_tokens:
+                    heapq.heappush(candidates, (-gains[i][depth] / cost[i], "lookup", i, depth + 1))
+            else:
+                choice.self_length = depth
+                tokens, seconds = tokens + m * a_self**depth, seconds + self_token_cost
+                if depth < self_budget:
+                    heapq.heappush(candidates, (-m * a_self ** (depth + 1) / self_token_cost, "self", -1, depth + 1))
+        if not choice.self_length:
+            choice.self_rows = set()
+        choice.tokens, choice.seconds = tokens, seconds
+        return choice
+
+    def _drain(self, offers, gains, cost, t0, t_verify, self_budget) -> Choice:
+        """The plan that brings a draining batch's end nearest, net of what it costs (module
+        docstring): every row drafts to a common finish line r steps nearer, lookup where its
+        draft is long enough, else self-draft; the best r, or no draft."""
+        left = [o.tokens_left for o in offers]
+        # Tokens ahead of the last rows (rows without a limit are level with each other).
+        lead = [0 if r == max(left) else max(left) - r for r in left]
+        a_self, measured = self.acceptance.self_rate, self.costs.self_step_measured
+        best_net, best = 0.0, Choice([0] * len(offers))
+        for finish in range(1, max(max(o.lookup_tokens for o in offers), self_budget) + 1):
+            need = [max(0, finish - d) for d in lead]  # a row d tokens ahead needs finish - d
+            lengths, self_rows, survival = [0] * len(offers), set(), []  # survival: P(accepted >= j)
+            for i, (o, n) in enumerate(zip(offers, need)):
+                if n and o.lookup_tokens >= n:
+                    lengths[i] = n
+                    survival.append(gains[i][:n])
+                elif n and o.can_self_draft and measured and self_budget >= n:
+                    self_rows.add(i)
+                    survival.append([a_self**j for j in range(1, n + 1)])
+                elif n:
+                    break  # this row cannot reach the line: the batch cannot end sooner by it
+                else:
+                    survival.append([])
+            else:
+                # E[min over rows of (lead + accepted)], counted in whole tokens up to the line.
+                nearer = sum(math.prod(1.0 if y <= d else (s[y - d - 1] if y - d <= len(s) else 0.0)
+                                       for d, s in zip(lead, survival)) for y in range(1, finish + 1))
+                saved = t0 * nearer + sum(c * sum(s) for c, s in zip(cost, survival))
+                self_length = max((need[i] for i in self_rows), default=0)
+                spent = (t_verify + sum(c * n for c, n in zip(cost, need))
+                         + self_length * self.costs.self_step_seconds(len(self_rows)))
+                if saved - spent > best_net:
+                    best_net, best = saved - spent, Choice(lengths, self_length, self_rows)
+        return best

@@ -1,0 +1,152 @@
+"""What a step costs: a target step, a self-draft step and a probe, fitted online to measured times.
+
+A target step's time is linear in what it computes:
+    T = t0 + t_prompt * prompt tokens + t_row * logit rows + t_sampled * sampled logit rows
+           + t_verify * (1 if the step verifies any draft) + t_new * (1 if its shape is new).
+A logit row is a position whose logits are computed: one per request, plus one per draft token.
+Prompt tokens need no logits and run as one big matrix product, so they are cheaper than a
+verified draft token and get their own coefficient. Rows that sample (temperature > 0) pay the
+rejection sampler's softmax over the vocabulary on top. A step that verifies any draft runs
+vLLM's rejection sampler and its metadata, a fixed cost. The first step at each shape (logit
+rows, sampled rows, draft tokens) pays one-off set-up (kernels for new sizes); t_new takes it,
+so it is not charged to verification, which would then look too dear to ever be tried again.
+A self-draft step over m rows and a probe per new prompt are measured apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.optimize
+
+
+@dataclass
+class LinearCost:
+    """seconds = intercept + coefficients . features, by exponentially weighted least squares
+    with non-negative coefficients. Directions the data does not determine (every step with the
+    same number of rows, or every row sampling) are pulled towards a prior by a light ridge:
+    a unit of feature k costs `prior_share[k]` of the mean step; `ridge[k]` is the pull's
+    strength, relative to the feature's variance."""
+
+    prior_share: tuple[float, ...]
+    ridge: tuple[float, ...]
+    decay: float = 0.98
+    min_samples: int = 8
+    samples: int = 0
+    outliers_in_a_row: int = 0
+    _sums: dict = field(default_factory=dict)
+
+    def observe(self, features, seconds: float) -> None:
+        x = np.asarray(features, dtype=np.float64)
+        # A lone outlier is an idle gap between requests, not a step; a run of them means the
+        # costs changed (say, a much bigger batch) and the fit must follow.
+        if self.ready and seconds > 4 * self.predict(x):
+            self.outliers_in_a_row += 1
+            if self.outliers_in_a_row < 3:
+                return
+        self.outliers_in_a_row = 0
+        s = self._sums or dict(w=0.0, x=np.zeros_like(x), xx=np.zeros((len(x), len(x))),
+                               y=0.0, xy=np.zeros_like(x))
+        for key in s:
+            s[key] = s[key] * self.decay
+        s["w"] += 1
+        s["x"] = s["x"] + x
+        s["xx"] = s["xx"] + np.outer(x, x)
+        s["y"] += seconds
+        s["xy"] = s["xy"] + x * seconds
+        self._sums = s
+        self.samples += 1
+
+    def coefficients(self) -> tuple[float, np.ndarray]:
+        if not self._sums:
+            return 0.0, np.zeros(len(self.prior_share))
+        s = self._sums
+        mean_x, mean_y = s["x"] / s["w"], s["y"] / s["w"]
+        cov = s["xx"] / s["w"] - np.outer(mean_x, mean_x)
+        cross = s["xy"] / s["w"] - mean_x * mean_y
+        share = np.asarray(self.prior_share)
+        prior = share * mean_y / (1 + share @ mean_x)
+        strength = np.asarray(self.ridge) * (np.diag(cov) + 1e-6 * (mean_x**2 + 1))
+        # The ridge-regularised normal equations, solved with non-negative coefficients: as least
+        # squares ||A c - b|| with A'A = cov + ridge and A'b = cross + ridge * prior. Dropping
+        # every negative coefficient of the free solution at once drops the wrong ones: one slow
+        # step could zero t_new and charge its set-up to verification.
+        lower = np.linalg.cholesky(cov + np.diag(strength))
+        coef, _ = scipy.optimize.nnls(lower.T, np.linalg.solve(lower, cross + strength * prior))
+        return max(mean_y - float(mean_x @ coef), 0.0), coef
+
+    def predict(self, features) -> float:
+        intercept, coef = self.coefficients()
+        return intercept + float(np.asarray(features, dtype=np.float64) @ coef)
+
+    @property
+    def ready(self) -> bool:
+        return self.samples >= self.min_samples
+
+
+def target_step_cost() -> LinearCost:
+    """A target step: features (prompt tokens, logit rows, sampled logit rows, verifies any
+    draft, first step at its shape). Sampling and verification are assumed free until seen to
+    cost, and pulled hardest to that: a workload that always samples charges its cost to every
+    row (the safe side), not to a greedy row it never saw, and one that always drafts charges
+    verification to t0. The first verifications are all at new shapes: set-up is pulled less,
+    so it takes their extra cost."""
+    return LinearCost(prior_share=(0.1, 0.1, 0.0, 0.0, 0.0), ridge=(1e-4, 1e-4, 1e-2, 1e-2, 1e-3))
+
+
+def self_step_cost() -> LinearCost:
+    """A self-draft step: feature (rows drafting). Rare, so weighted to follow recent ones."""
+    return LinearCost(prior_share=(0.1,), ridge=(1e-3,), decay=0.9, min_samples=1)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """The fitted target-step coefficients, in seconds (module docstring)."""
+
+    t0: float
+    t_prompt: float
+    t_row: float
+    t_sampled: float
+    t_verify: float
+    t_new: float
+
+
+@dataclass
+class StepCostModel:
+    """Every cost the planner prices: target steps, self-draft steps and probes."""
+
+    step: LinearCost = field(default_factory=target_step_cost)
+    self_step: LinearCost = field(default_factory=self_step_cost)
+    probe_seconds: float | None = None  # per probed prompt, a moving average
+    _shapes_seen: set = field(default_factory=set)
+
+    def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float,
+                     draft_tokens: int = 0) -> None:
+        shape = (logit_rows, sampled_rows, draft_tokens)
+        new_shape = shape not in self._shapes_seen
+        self._shapes_seen.add(shape)
+        self.step.observe((prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape), seconds)
+
+    def observe_self_step(self, rows: int, seconds: float) -> None:
+        self.self_step.observe((rows,), seconds)
+
+    def observe_probe(self, rows: int, seconds: float) -> None:
+        """A statistics probe over `rows` new prompts (what a row pays before its first self-draft)."""
+        per_row = seconds / rows
+        self.probe_seconds = per_row if self.probe_seconds is None else 0.7 * self.probe_seconds + 0.3 * per_row
+
+    @property
+    def ready(self) -> bool:
+        return self.step.ready
+
+    @property
+    def self_step_measured(self) -> bool:
+        return self.self_step.samples > 0
+
+    def target(self) -> StepCosts:
+        t0, coef = self.step.coefficients()
+        return StepCosts(t0, *(float(c) for c in coef))
+
+    def self_step_seconds(self, rows: int) -> float:
+        return self.self_step.predict((rows,)) if rows else 0.0

@@ -1,0 +1,78 @@
+"""What the self-admg proposer did, for operators, benchmarks and tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ProposerCounters:
+    """Totals since the engine started (read through collective_rpc)."""
+
+    prompts_measured: int = 0
+    prompt_tokens_measured: int = 0
+    probe_seconds: float = 0.0
+    warmup_seconds: float = 0.0  # the eager path's one-off set-up, paid at the first step
+    draft_calls: int = 0
+    draft_steps: int = 0
+    draft_tokens: int = 0
+    draft_seconds: float = 0.0
+    lookup_tokens: int = 0  # from lookup, own context or history
+    history_tokens: int = 0  # of which from earlier requests' outputs
+    # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
+    # MLP similarity, mask). Bounded, so a long-running server does not grow it.
+    measurements: deque = field(default_factory=lambda: deque(maxlen=4096))
+    # The last steps as the controller saw them: (prompt tokens, logit rows, sampled logit
+    # rows, draft tokens, seconds), to check its cost model against.
+    steps: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+def prompt_key(prompt_token_ids) -> str:
+    """A short, stable name for a prompt's token ids (to match measurements to prompts)."""
+    return hashlib.blake2b(np.asarray(prompt_token_ids, dtype=np.int64).tobytes(),
+                           digest_size=8).hexdigest()
+
+
+def proposer_report(worker, measurements: bool = True) -> dict:
+    """What a worker's self-admg proposer did, as plain (JSON-ready) data. Runs in the worker:
+    `llm.collective_rpc(proposer_report)` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1, since
+    vLLM pickles callables only when allowed), or by name through `SelfAdmgWorkerExtension`."""
+    from vllm_selfspec.proposer import SelfAdmgProposer
+
+    drafter = worker.model_runner.drafter
+    if not isinstance(drafter, SelfAdmgProposer):
+        return {}
+    counters = drafter.counters
+    report = {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)
+              if f.name not in ("measurements", "steps")}
+    report["live_requests"] = sorted(drafter.self_drafter.masks)
+    if measurements:
+        report["steps"] = [list(step) for step in counters.steps]
+        report["measurements"] = [
+            {"prompt_key": key, "attention_similarity": attn.tolist(), "mlp_similarity": mlp.tolist(),
+             "skip_attention": [bool(x) for x in mask.attention], "skip_mlp": [bool(x) for x in mask.mlp]}
+            for key, attn, mlp, mask in counters.measurements
+        ]
+    return report
+
+
+class SelfAdmgWorkerExtension:
+    """Lets a server report on its proposer by name, without pickled functions. Start it with
+    `--worker-extension-cls vllm_selfspec.report.SelfAdmgWorkerExtension` and, in vLLM's dev
+    mode (VLLM_SERVER_DEV_MODE=1), POST {"method": "self_admg_state"} to /collective_rpc."""
+
+    def self_admg_state(self) -> dict:
+        """Counters and the requests that currently hold a skip mask (one dict per worker)."""
+        return proposer_report(self, measurements=False)
+
+
+def spec_decode_counters(llm) -> dict[str, float]:
+    """vLLM's own spec-decode counters of an `LLM` built with disable_log_stats=False:
+    num_drafts, num_draft_tokens, num_accepted_tokens (names without the vllm: prefix)."""
+    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}

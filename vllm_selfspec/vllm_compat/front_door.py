@@ -1,0 +1,179 @@
+"""The `self-admg` method name in every vLLM spelling, checked before the engine starts.
+
+vLLM 0.32's `SpeculativeConfig` accepts only its own methods and keys (pydantic,
+extra="forbid"), so self-admg rides on its `custom_class` method with our proposer class:
+`EngineArgs.create_speculative_config` (the one place all spellings meet, in the front-end
+process) rewrites a self-admg config before vLLM validates it, moves our options into
+`additional_config["self_admg"]` (vLLM's sanctioned channel to the workers) and rejects
+unsupported set-ups with one readable error.
+
+Spellings: --speculative-config/-sc JSON and LLM(speculative_config=dict) with method or model
+"self-admg"; --spec-method self-admg (argparse choices come from the dataclass field type, so
+the type is widened); the legacy --speculative-model self-admg [--num-speculative-tokens K],
+added back as aliases of --spec-model/--spec-tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+from typing import Literal, Union, get_args, get_origin
+
+from vllm_selfspec.options import (
+    ADDITIONAL_CONFIG_KEY,
+    METHOD_NAME,
+    SUPPORTED_ARCHITECTURES,
+    SelfAdmgConfigError,
+    is_self_admg,
+    parse_speculative_config,
+)
+from vllm_selfspec.vllm_compat.patching import original, patch
+
+
+def merge_spec_flags(engine_args) -> dict | None:
+    """Fold --spec-method/--spec-model/--spec-tokens into the speculative-config dict, as vLLM
+    does, so that a self-admg request is recognised whichever way it was spelled."""
+    spec = dict(engine_args.speculative_config) if engine_args.speculative_config else None
+    for flag, key, attr in (("--spec-method", "method", "spec_method"),
+                            ("--spec-model", "model", "spec_model"),
+                            ("--spec-tokens", "num_speculative_tokens", "spec_tokens")):
+        value = getattr(engine_args, attr)
+        if value is None:
+            continue
+        spec = spec or {}
+        if key in spec:
+            raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        spec[key] = value
+    return spec
+
+
+def check_supported(engine_args, model_config, parallel_config) -> None:
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        raise SelfAdmgConfigError(
+            f"self-admg does not support the model architecture {architectures}; supported "
+            f"architectures are {list(SUPPORTED_ARCHITECTURES)}")
+    if parallel_config.pipeline_parallel_size > 1:
+        raise SelfAdmgConfigError(
+            f"self-admg needs every decoder layer on each rank; pipeline_parallel_size="
+            f"{parallel_config.pipeline_parallel_size} is not supported (allowed: 1; tensor "
+            "parallelism is supported)")
+    if engine_args.enable_lora:
+        raise SelfAdmgConfigError("self-admg does not support LoRA (enable_lora must be False)")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and parallel_config.distributed_executor_backend == "ray":
+        # vLLM's own limit (its CPU platform has no Ray device), reported before any start-up.
+        raise SelfAdmgConfigError(
+            "distributed_executor_backend='ray' does not run on vLLM 0.32's CPU build; allowed "
+            "on CPU: 'mp' (the default) or 'uni'. Ray Data replicas work: see "
+            "benchmarks/ray_data_batch.py")
+
+
+def _vllm_speculative_keys() -> set[str]:
+    """The keys vLLM's own SpeculativeConfig accepts."""
+    from vllm.config import SpeculativeConfig
+
+    return {f.name for f in dataclasses.fields(SpeculativeConfig)}
+
+
+def _wrap_create_speculative_config(engine_args_cls) -> None:
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        vllm_create = original(engine_args_cls, "create_speculative_config")
+        spec = merge_spec_flags(self)
+        if not is_self_admg(spec):
+            return vllm_create(self, target_model_config, target_parallel_config)
+        vllm_spec, options = parse_speculative_config(spec, _vllm_speculative_keys())
+        check_supported(self, target_model_config, target_parallel_config)
+        self.speculative_config = vllm_spec
+        self.spec_method = self.spec_model = self.spec_tokens = None
+        self.additional_config = {**(self.additional_config or {}),
+                                  ADDITIONAL_CONFIG_KEY: options.as_dict()}
+        return vllm_create(self, target_model_config, target_parallel_config)
+
+    patch(engine_args_cls, "create_speculative_config", create_speculative_config,
+          "rewrite self-admg to vLLM's custom_class method with our proposer, options checked")
+
+
+def _widen_method_choices() -> None:
+    """Let argparse accept --spec-method self-admg (pydantic never sees it: it is rewritten)."""
+    from vllm.config import SpeculativeConfig
+    from vllm.engine import arg_utils
+
+    field = SpeculativeConfig.__dataclass_fields__["method"]
+    widened = _with_choice(field.type, METHOD_NAME)
+    if widened != field.type and patch(field, "type", widened, "let argparse accept --spec-method self-admg"):
+        arg_utils._compute_kwargs.cache_clear()
+
+
+def _with_choice(type_hint, value):
+    """`type_hint` (a Literal, possibly inside Optional/Union) with `value` added to the Literal."""
+    origin = get_origin(type_hint)
+    if origin is Literal:
+        choices = get_args(type_hint)
+        return type_hint if value in choices else Literal[(*choices, value)]
+    if origin in (Union, types.UnionType):
+        return Union[tuple(_with_choice(arg, value) for arg in get_args(type_hint))]
+    return type_hint
+
+
+def _extend_cli(engine_args_cls) -> None:
+    """Add the legacy flags, and check self-admg options while the command line is parsed, so
+    that `vllm serve` stops with a one-line argparse error instead of a traceback."""
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(engine_args_cls, "add_cli_args")(parser, *args, **kwargs)
+        known = {s: action for action in parser._actions for s in action.option_strings}
+        if "--speculative-model" not in known:
+            parser.add_argument(
+                "--speculative-model", dest="spec_model", default=None,
+                help=f"legacy spelling of --spec-model; '--speculative-model {METHOD_NAME}' "
+                     "turns on self-speculative decoding (vllm-selfspec)")
+        if "--num-speculative-tokens" not in known:
+            parser.add_argument(
+                "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
+                help="legacy spelling of --spec-tokens (maximum draft length)")
+        if "--speculative-config" in known:
+            action = known["--speculative-config"]
+            action.type = _checked_speculative_config(action.type)
+        return parser
+
+    patch(engine_args_cls, "add_cli_args", staticmethod(add_cli_args),
+          "the legacy --speculative-model/--num-speculative-tokens flags; options checked at parse time")
+
+
+def _checked_speculative_config(parse_json):
+    def parse(text):
+        spec = parse_json(text)
+        if is_self_admg(spec):
+            try:
+                parse_speculative_config(spec, _vllm_speculative_keys())
+            except SelfAdmgConfigError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+        return spec
+
+    return parse
+
+
+def _report_config_errors_in_one_line() -> None:
+    """Architecture, parallelism and LoRA checks need the model's config, so they run after
+    argument parsing, where an error would end `vllm serve` in a 40-line traceback through
+    vLLM's start-up code. Uncaught, a SelfAdmgConfigError prints as one line instead (exit 1)."""
+    def excepthook(kind, value, traceback):
+        if issubclass(kind, SelfAdmgConfigError):
+            print(f"error: {value}", file=sys.stderr)
+        else:
+            original(sys, "excepthook")(kind, value, traceback)
+
+    patch(sys, "excepthook", excepthook, "a self-admg configuration error prints as one line")
+
+
+def apply() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    _wrap_create_speculative_config(EngineArgs)
+    _widen_method_choices()
+    _extend_cli(EngineArgs)
+    _report_config_errors_in_one_line()
+

@@ -1,0 +1,100 @@
+"""What the proposer reads of vLLM 0.32's model runner in one step: the batch's rows, their
+token ids and requests, and the scheduler output of the step that just ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """A batch row that sampled a token this step (so it may draft)."""
+
+    index: int  # row in the runner's input batch
+    req_id: str
+    tokens_left: int | None  # before max_tokens (None: no limit)
+    sampled: bool  # temperature > 0
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the step that just ran computed (prompt chunks included: under load few steps are
+    decode-only). A logit row is a position whose logits were computed."""
+
+    prompt_tokens: int
+    logit_rows: int
+    sampled_rows: int
+    draft_tokens: int
+
+
+class StepView:
+    def __init__(self, runner, scheduler_output, sampled_token_ids: list[list[int]]):
+        self.runner = runner
+        self.batch = runner.input_batch
+        self.scheduler_output = scheduler_output
+        self.sampled_token_ids = sampled_token_ids
+        self.req_ids = self.batch.req_ids
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.sampled_token_ids)
+
+    @property
+    def admitted_requests(self) -> bool:
+        """Whether this step took in a new or resumed request."""
+        out = self.scheduler_output
+        return bool(out.scheduled_new_reqs or out.scheduled_cached_reqs.resumed_req_ids)
+
+    def rows(self) -> list[StepRow]:
+        """Rows that sampled a token this step (a partial prefill samples none)."""
+        return [StepRow(i, self.req_ids[i], self.tokens_left(self.req_ids[i]), self.samples(self.req_ids[i]))
+                for i, tokens in enumerate(self.sampled_token_ids) if tokens]
+
+    def accepted(self, row: int) -> int:
+        """Draft tokens accepted in this row this step (the rest of its tokens is the bonus)."""
+        return len(self.sampled_token_ids[row]) - 1
+
+    def shape(self) -> StepShape | None:
+        out = self.scheduler_output
+        if not out.total_num_scheduled_tokens:
+            return None
+        spec = out.scheduled_spec_decode_tokens
+        rows = {r: 1 + len(spec.get(r, ())) for r in out.num_scheduled_tokens}
+        logit_rows = sum(rows.values())
+        sampled_rows = sum(n for r, n in rows.items() if self.samples(r))
+        return StepShape(max(out.total_num_scheduled_tokens - logit_rows, 0), logit_rows, sampled_rows,
+                         logit_rows - len(rows))
+
+    def samples(self, req_id: str) -> bool:
+        """Whether a request samples (temperature > 0) rather than taking the argmax."""
+        from vllm.sampling_params import SamplingType
+
+        request = self.runner.requests.get(req_id)
+        params = request.sampling_params if request is not None else None
+        return params is not None and params.sampling_type != SamplingType.GREEDY
+
+    def tokens_left(self, req_id: str) -> int | None:
+        request = self.runner.requests[req_id]
+        params = request.sampling_params
+        if params is None or params.max_tokens is None:
+            return None
+        return params.max_tokens - len(request.output_token_ids)
+
+    def context(self, row: int) -> np.ndarray:
+        """The row's tokens so far: prompt and output, up to its last sampled token."""
+        return self.batch.token_ids_cpu[row, :self.batch.num_tokens_no_spec[row]]
+
+    def prompt(self, row: int) -> np.ndarray:
+        return self.batch.token_ids_cpu[row, :self.batch.num_prompt_tokens[row]]
+
+    def prompt_lengths(self, rows: list[int]) -> np.ndarray:
+        return self.batch.num_prompt_tokens[rows].astype(np.int64)
+
+    def last_positions(self, rows: list[int]) -> np.ndarray:
+        """The position of each row's last sampled token: the first one without KV."""
+        return self.batch.num_tokens_no_spec[rows].astype(np.int64) - 1
+
+    def tokens_at(self, rows: list[int], positions: np.ndarray) -> np.ndarray:
+        return self.batch.token_ids_cpu[rows, positions]
