@@ -157,38 +157,74 @@ class LoadResult:
     latencies: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     output_tokens: int = 0
-    rss_samples: list[tuple[int, int]] = field(default_factory=list)  # (completed, bytes)
+    aborted: int = 0  # streams the client closed on purpose (the soak's aborts)
+    rss_samples: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, completed, bytes)
+
+
+SOAK_SALTS = ("tenant-a", "tenant-b")
+
+
+def soak_request(i: int) -> tuple[dict, int | None]:
+    """Request i of the soak mix: mixed lengths and temperatures, stop strings, two tenants,
+    min_p and logit_bias now and then, and every 7th one aborted by its client mid-stream.
+    Returns the completion arguments and, for an abort, after how many chunks to close."""
+    kwargs = {"max_tokens": (8, 24, 64, 128)[i % 4], "temperature": (0.0, 0.7, 1.0)[i % 3],
+              "extra_body": {"cache_salt": SOAK_SALTS[i % 2]}}
+    if i % 5 == 0:
+        kwargs["stop"] = ["\n\n", "."]
+    else:
+        kwargs["extra_body"]["ignore_eos"] = True
+    if i % 11 == 0:
+        kwargs["extra_body"]["min_p"] = 0.1
+    if i % 13 == 0:
+        kwargs["logit_bias"] = {"13": 2.0}
+    return kwargs, (3 if i % 7 == 0 else None)
 
 
 async def run_load(server: VllmServer, prompts: list[str], num_requests: int, concurrency: int,
                    max_tokens: int, temperatures=(0.0, 1.0), time_limit: float = 600,
-                   rss_every: int = 50, progress: bool = True) -> LoadResult:
+                   rss_every: int = 50, progress: bool = True, soak: bool = False) -> LoadResult:
     """`num_requests` completions from `concurrency` clients, cycling through prompts and
-    temperatures. A request that fails or is still running at `time_limit` counts as failed."""
+    temperatures (or, with `soak`, through `soak_request`'s mix). A request that fails or is
+    still running at `time_limit` counts as failed."""
     from tqdm import tqdm
 
     client = server.async_client(max_retries=0, timeout=time_limit)
     result = LoadResult(num_requests, 0.0)
     next_index = iter(range(num_requests))
     bar = tqdm(total=num_requests, desc=f"load {server.model.split('/')[-1]}", disable=not progress)
+    load_start = time.perf_counter()
 
     async def one_client():
         for i in next_index:
             start = time.perf_counter()
+            kwargs, abort_after = soak_request(i) if soak else (
+                {"max_tokens": max_tokens, "temperature": temperatures[i % len(temperatures)],
+                 "extra_body": {"ignore_eos": True}}, None)
             try:
-                response = await client.completions.create(
-                    model=server.model, prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
-                    temperature=temperatures[i % len(temperatures)], extra_body={"ignore_eos": True})
+                if abort_after is None:
+                    response = await client.completions.create(
+                        model=server.model, prompt=prompts[i % len(prompts)], **kwargs)
+                    result.output_tokens += response.usage.completion_tokens
+                else:
+                    stream = await client.completions.create(
+                        model=server.model, prompt=prompts[i % len(prompts)], stream=True, **kwargs)
+                    chunks = 0
+                    async for _ in stream:
+                        chunks += 1
+                        if chunks >= abort_after:
+                            break
+                    await stream.close()
+                    result.aborted += 1
                 result.latencies.append(time.perf_counter() - start)
-                result.output_tokens += response.usage.completion_tokens
             except Exception as err:  # every failure is reported, none is fatal to the load
                 result.failures.append(f"request {i}: {type(err).__name__}: {err}"[:300])
             bar.update()
             done = len(result.latencies) + len(result.failures)
             if done % rss_every == 0:
-                result.rss_samples.append((done, server.rss_bytes()))
+                result.rss_samples.append((time.perf_counter() - load_start, done, server.rss_bytes()))
 
-    start = time.perf_counter()
+    start = load_start = time.perf_counter()
     try:
         async with asyncio.timeout(time_limit):
             await asyncio.gather(*(one_client() for _ in range(concurrency)))
@@ -215,6 +251,7 @@ def summarize(name: str, load: LoadResult, rss_after_warmup: int, rss_end: int,
         "output_tokens_per_s": round(load.output_tokens / load.seconds, 1),
         "p50_latency_s": round(percentile(load.latencies, 50) or 0, 3),
         "p99_latency_s": round(percentile(load.latencies, 99) or 0, 3),
+        "aborted_by_client": load.aborted,
         "rss_after_warmup_gb": round(rss_after_warmup / 2**30, 3),
         "rss_end_gb": round(rss_end / 2**30, 3),
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
@@ -223,13 +260,14 @@ def summarize(name: str, load: LoadResult, rss_after_warmup: int, rss_end: int,
 
 
 def load_one_server(server: VllmServer, name: str, prompts, args, warmup_prompts=None) -> tuple[dict, LoadResult]:
+    soak = getattr(args, "soak", False)
     warmup = asyncio.run(run_load(server, warmup_prompts or prompts, args.warmup, args.concurrency, args.max_tokens,
-                                  time_limit=args.time_limit, progress=False))
+                                  time_limit=args.time_limit, progress=False, soak=soak))
     if warmup.failures:
         raise RuntimeError(f"{name}: warm-up requests failed: {warmup.failures[:3]}")
     rss_after_warmup = server.rss_bytes()
     load = asyncio.run(run_load(server, prompts, args.requests, args.concurrency, args.max_tokens,
-                                time_limit=args.time_limit))
+                                time_limit=args.time_limit, soak=soak))
     row = summarize(name, load, rss_after_warmup, server.rss_bytes(), server.metrics(), server.healthy())
     return row, load
 
@@ -259,6 +297,24 @@ def plot_latencies(loads: dict[str, LoadResult], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_memory(loads: dict[str, LoadResult], path: Path) -> None:
+    """Resident memory of each server's processes over the measured load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, load in loads.items():
+        ax.plot([t for t, _, _ in load.rss_samples], [b / 2**30 for _, _, b in load.rss_samples], label=name)
+    ax.set_xlabel("seconds into the load (after warm-up)")
+    ax.set_ylabel("resident memory (GiB)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="an asset name or a model directory")
@@ -270,6 +326,10 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=32,
                         help="requests before measuring (a plain server's memory settles over ~500)")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--soak", action="store_true",
+                        help="the soak mix instead (soak_request: lengths 8-128, temperatures 0/0.7/1, stop "
+                             "strings, two cache_salt tenants, min_p, logit_bias, aborts mid-stream); prompts "
+                             "may repeat")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds per server")
     parser.add_argument("--speculative-config", default='{"method": "self-admg", "num_speculative_tokens": 4}')
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -292,6 +352,8 @@ def main(argv=None) -> Path:
     # suffix method, self-admg's history lookup) would otherwise copy its answer to a repeat.
     names = ["humaneval", "news"] if args.workload == "mixed" else [args.workload]
     prompts = [p for group in itertools.zip_longest(*map(assets.load_prompts, names)) for p in group if p]
+    if args.soak:  # a soak measures stability and memory, not speed: prompts may come again
+        prompts = list(itertools.islice(itertools.cycle(prompts), args.warmup + args.requests))
     if args.warmup + args.requests > len(prompts):
         raise SystemExit(f"--warmup {args.warmup} + --requests {args.requests} needs that many distinct "
                          f"prompts; {args.workload} has {len(prompts)}")
@@ -318,6 +380,7 @@ def main(argv=None) -> Path:
         {"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
          "loads": {name: asdict(load) for name, load in loads.items()}}, indent=2))
     plot_latencies(loads, out / "latency.png")
+    plot_memory(loads, out / "memory.png")
     print("\n" + table + f"\n\nresults in {out}")
     return out
 

@@ -401,3 +401,19 @@ def test_head_ids_map_draft_columns_back_to_token_ids():
     allowed = torch.tensor(list(range(10)) + [17, 42])
     expected = allowed[full[:, allowed].argmax(-1)]
     assert torch.equal(ids.token_ids(logits.argmax(-1)), expected)
+
+
+def test_history_pools_are_per_tenant_and_bounded_in_all():
+    from vllm_selfspec.lookup import TenantHistories
+
+    histories = TenantHistories(max_tokens=1000)
+    for tenant in ("a", None):
+        histories.add(tenant, np.array([8, 9, 10, 11]))
+    assert histories.pool("b") is None
+    assert histories.pool("a").draft(np.array([5, 8, 9]), 3, 24).tokens.tolist() == [10, 11]
+    rng = np.random.default_rng(0)
+    for i in range(5000):  # thousands of requests from hundreds of tenants
+        histories.add(f"t{i % 300}", rng.integers(0, 1000, size=rng.integers(1, 60)))
+        assert len(histories) <= 1000
+    assert len(histories) > 900  # full, not emptied
+    assert histories.pool("a") is None and histories.pool("t199") is not None

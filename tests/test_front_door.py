@@ -115,3 +115,39 @@ def test_vllm_console_script_works_and_refuses_bad_options(tiny_model_path):
                          env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
     assert out.returncode != 0
     assert "'mlp_threshold' must be in [-1.0, 1.0], got 7" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("engine_kwargs, fragment", [
+    (dict(model_impl="transformers"), "model_impl='transformers' is not supported (allowed: 'auto' or 'vllm')"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported (allowed: 'auto')"),
+    (dict(kv_offloading_size=1.0), "kv_transfer_config and kv_offloading_size must be unset"),
+])
+def test_set_ups_the_draft_path_does_not_handle_are_refused(tiny_model_path, engine_kwargs, fragment):
+    with pytest.raises(SelfAdmgConfigError, match="^self-admg: ") as err:
+        engine_config(tiny_model_path, speculative_config={"method": "self-admg"}, **engine_kwargs)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sliding_windows_context_parallelism_and_quantization_are_refused(tiny_model_path):
+    import dataclasses as dc
+
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_selfspec.vllm_compat.front_door import unsupported_reasons
+
+    args = EngineArgs(model=str(tiny_model_path))
+    model_config = args.create_model_config()
+    assert unsupported_reasons(args, model_config, ParallelConfig()) == []
+
+    class SlidingWindow(type(model_config)):
+        def get_sliding_window(self):
+            return 64
+
+    windowed = object.__new__(SlidingWindow)
+    windowed.__dict__.update(model_config.__dict__)
+    assert any("sliding-window" in r for r in unsupported_reasons(args, windowed, ParallelConfig()))
+    dcp = dc.replace(ParallelConfig(), tensor_parallel_size=2, decode_context_parallel_size=2)
+    assert any("decode_context_parallel_size must be 1" in r for r in unsupported_reasons(args, model_config, dcp))
+    model_config.quantization = "gptq"
+    assert any("quantization='gptq' is not supported" in r for r in unsupported_reasons(args, model_config, ParallelConfig()))

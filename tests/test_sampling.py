@@ -108,3 +108,46 @@ def test_a_step_without_drafts_is_sampled_as_plain_decoding():
     runner.drafter = None  # another method's engine: untouched
     GPUModelRunner._sample(runner, logits, SpecDecodeMetadata.make_dummy([[], []], device="cpu"))
     assert calls == ["plain", "rejection", "rejection"]
+
+
+@pytest.fixture(scope="module")
+def admg_always_drafting(tiny_model_path, mixed_options):
+    llm = make_llm(tiny_model_path, speculative_config={**mixed_options, "draft_exit_threshold": 0.0})
+    yield llm
+    close_llm(llm)
+
+
+def test_min_p_is_served_with_plain_decodings_distribution(plain_tiny, admg_always_drafting, tiny_prompt_ids):
+    """vLLM refuses min_p with any speculative method; self-admg serves it, in a batch whose
+    other rows draft, with the same distribution as plain decoding."""
+    prompt = {"prompt_token_ids": tiny_prompt_ids[2]}
+    min_p = SamplingParams(temperature=1.0, max_tokens=NUM_TOKENS, ignore_eos=True, min_p=0.5)
+    free = SamplingParams(temperature=1.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+    def run(llm, with_min_p):
+        outputs = llm.generate([prompt] * (2 * NUM_SAMPLES), [min_p, free] * NUM_SAMPLES if with_min_p else free,
+                               use_tqdm=False)
+        return np.array([o.outputs[0].token_ids for o in outputs[0::2]])
+
+    before = spec_counters(admg_always_drafting)
+    ours, plain, plain_without = run(admg_always_drafting, True), run(plain_tiny, True), run(plain_tiny, False)
+    after = spec_counters(admg_always_drafting)
+    assert after["num_draft_tokens"] - before["num_draft_tokens"] >= NUM_SAMPLES  # the other rows drafted
+    for position in range(1, NUM_TOKENS):
+        assert same_distribution_p_value(plain[:, position], ours[:, position]) > 1e-3
+    # The test can tell: min_p changes the distribution.
+    assert min(same_distribution_p_value(plain[:, i], plain_without[:, i]) for i in range(1, NUM_TOKENS)) < 1e-6
+
+
+def test_logit_bias_is_served_exactly(plain_tiny, admg_always_drafting, tiny_prompts):
+    from conftest import token_ids
+
+    unbiased = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = token_ids(plain_tiny.generate(tiny_prompts, unbiased, use_tqdm=False))
+    # Push each prompt's own second greedy token up everywhere: outputs change, and must change alike.
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={ids[1]: 5.0})
+              if i % 2 == 0 else unbiased for i, ids in enumerate(first)]
+    plain = token_ids(plain_tiny.generate(tiny_prompts, params, use_tqdm=False))
+    ours = token_ids(admg_always_drafting.generate(tiny_prompts, params, use_tqdm=False))
+    assert ours == plain
+    assert plain[0] != first[0]  # the bias took effect

@@ -19,16 +19,20 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
+def server_flags(logs) -> list[str]:
+    (logs / "chat.jinja").write_text(CHAT_TEMPLATE)
+    return ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
+            "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "128",
+            "--chat-template", str(logs / "chat.jinja")]
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model_path, mixed_options, tmp_path_factory):
     """(plain, self-admg), started at once. Chunked prefill with a 128-token budget, so long
     prompts and busy batches split prefills. The self-admg server logs at debug level (the
     per-request skip counts) and answers /collective_rpc for its proposer's state."""
     logs = tmp_path_factory.mktemp("serve")
-    (logs / "chat.jinja").write_text(CHAT_TEMPLATE)
-    common = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-              "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "128",
-              "--chat-template", str(logs / "chat.jinja")]
+    common = server_flags(logs)
     plain = serve_load.VllmServer(tiny_model_path, *common, log_path=logs / "plain.log")
     admg = serve_load.VllmServer(
         tiny_model_path, *common, "--speculative-config", json.dumps(mixed_options),
@@ -189,6 +193,36 @@ def test_load_side_by_side(servers, tiny_prompts):
     assert rows[1]["mean_acceptance_length"] and rows[1]["mean_acceptance_length"] > 1
     metrics = servers[1].metrics()
     assert metrics["vllm:spec_decode_num_draft_tokens_total"] >= metrics["vllm:spec_decode_num_accepted_tokens_total"] > 0
+
+
+@pytest.fixture(scope="module")
+def faulty_server(tiny_model_path, mixed_options, tmp_path_factory):
+    """A self-admg server whose every draft step raises: it must answer like the plain one."""
+    logs = tmp_path_factory.mktemp("serve-faults")
+    server = serve_load.VllmServer(
+        tiny_model_path, *server_flags(logs), "--speculative-config", json.dumps(mixed_options),
+        "--worker-extension-cls", "vllm_selfspec.report.SelfAdmgWorkerExtension",
+        log_path=logs / "self-admg.log",
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_SELFSPEC_INJECT_FAULT": "draft@every"})
+    try:
+        server.start()
+        server.wait_until_healthy()
+        yield server
+    finally:
+        if hasattr(server, "process"):
+            server.stop()
+
+
+def test_injected_fault_in_every_draft_keeps_the_server_answering(servers, faulty_server, tiny_prompts):
+    plain, _ = servers
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda p: complete(faulty_server, p, **GREEDY), tiny_prompts * 2))
+    expected = [completion_ids(complete(plain, p, **GREEDY)) for p in tiny_prompts * 2]
+    assert [completion_ids(r) for r in responses] == expected
+    state = faulty_server.rpc("self_admg_state")[0]
+    assert state["drafting_disabled"] and state["faults"] >= 1
+    assert faulty_server.healthy()
+    assert "self-admg switched off after" in faulty_server.log()
 
 
 def test_logs_show_skip_counts_and_acceptance(servers):

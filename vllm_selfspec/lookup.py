@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections import OrderedDict
+
 import numpy as np
 
 from vllm_selfspec.control.acceptance import DraftSource
@@ -123,6 +125,42 @@ class OutputHistory:
 
     def draft(self, context: np.ndarray, max_tokens: int, max_match: int) -> LookupDraft:
         return suffix_draft(context, max_tokens, self.tokens, max_match)
+
+    def drop_oldest(self) -> None:
+        """Drop the oldest output (the history then may hold none: just its separator)."""
+        if len(self.tokens) > 1:
+            self.tokens = self.tokens[1 + int(np.argmax(self.tokens[1:] == SEPARATOR)):]
+
+
+class TenantHistories:
+    """Earlier outputs, one pool per tenant: a request drafts only from the outputs of requests
+    with its own `cache_salt` (None: the shared pool of requests without one, as in vLLM's
+    prefix cache). All pools together hold at most `max_tokens` token ids (8 bytes each,
+    separators included): the least recently used tenant's oldest outputs go first."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.pools: OrderedDict[str | None, OutputHistory] = OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(len(pool) for pool in self.pools.values())
+
+    def pool(self, tenant: str | None) -> OutputHistory | None:
+        return self.pools.get(tenant)
+
+    def add(self, tenant: str | None, output: np.ndarray) -> None:
+        pool = self.pools.pop(tenant, None) or OutputHistory(self.max_tokens)
+        self.pools[tenant] = pool  # the most recently used last
+        pool.add(output)
+        total = len(self)
+        while total > self.max_tokens:
+            oldest_tenant, oldest = next(iter(self.pools.items()))
+            total -= len(oldest)
+            oldest.drop_oldest()
+            if len(oldest) > 1:
+                total += len(oldest)
+            else:  # no output left: the pool goes, separator and all
+                del self.pools[oldest_tenant]
 
 
 def lookup_draft(context: np.ndarray, max_tokens: int, max_match: int,

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from vllm_selfspec.control import DraftController, DraftPlan, DraftSource, RowOffer
-from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, OutputHistory, lookup_draft
+from vllm_selfspec.fail_safe import FailSafe, fault_point
+from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
 from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, prompt_key  # noqa: F401 (old home)
 from vllm_selfspec.self_draft import SelfDrafter
@@ -52,11 +53,13 @@ class SelfAdmgProposer:
         self.counters = ProposerCounters()
         self.controller = DraftController()
         self.self_drafter: SelfDrafter | None = None
-        self.history = (OutputHistory(self.options.lookup_history)
+        self.history = (TenantHistories(self.options.lookup_history)
                         if self.options.lookup and self.options.lookup_history else None)
+        self._tenants: dict[str, str | None] = {}  # live requests' cache_salt
         self._drafted: dict[str, DraftMade] = {}
         self._step_end: float | None = None
         self._steps_since_admission = 0
+        self.fail_safe = FailSafe()
 
     # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
     # kept under another name than `model`: the runner treats `drafter.model` as a separate draft
@@ -72,10 +75,22 @@ class SelfAdmgProposer:
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
                            common_attn_metadata) -> list[list[int]]:
+        """This step's drafts; none if anything in making them fails (`fail_safe`)."""
+        return self.fail_safe.call(
+            lambda: self._step(runner, scheduler_output, sampled_token_ids, common_attn_metadata),
+            lambda: self._no_drafts(len(sampled_token_ids)))
+
+    def _no_drafts(self, rows: int) -> list[list[int]]:
+        self._drafted = {}
+        self._step_end = time.perf_counter()
+        return [[] for _ in range(rows)]
+
+    def _step(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
+              common_attn_metadata) -> list[list[int]]:
         step = StepView(runner, scheduler_output, sampled_token_ids)
         self._learn(step)
-        rows = step.rows()
-        budgets = [self._draft_budget(row.tokens_left) for row in rows]
+        rows = step.rows
+        budgets = [self._draft_budget(row.tokens_left) if row.may_draft else 0 for row in rows]
         forward = DraftForward(runner, self.vllm_config, common_attn_metadata)
         if not self.self_drafter.warmed_up and any(budgets):
             warm_row = next(row.index for row, budget in zip(rows, budgets) if budget)
@@ -102,6 +117,7 @@ class SelfAdmgProposer:
         """Feed the controller the step that just ran: its time against what it computed, and
         what verification made of the drafts proposed for it."""
         now = time.perf_counter()
+        self._tenants.update(step.new_request_tenants())
         self._steps_since_admission = 0 if step.admitted_requests else self._steps_since_admission + 1
         shape = step.shape()
         if self._step_end is not None and shape is not None:
@@ -111,7 +127,7 @@ class SelfAdmgProposer:
             self.counters.steps.append((shape.prompt_tokens, shape.logit_rows, shape.sampled_rows,
                                         shape.draft_tokens, seconds))
         self._step_end = None
-        for row in step.rows():
+        for row in step.rows:
             made = self._drafted.get(row.req_id)
             if made:
                 self.controller.observe_draft(row.req_id, made.source, made.length, step.accepted(row.index),
@@ -126,18 +142,21 @@ class SelfAdmgProposer:
 
     def _lookup(self, step: StepView, rows: list[StepRow], budgets: list[int]) -> list[tuple[DraftSource, LookupDraft]]:
         """Each row's best lookup draft (NO_DRAFT where lookup is off or finds nothing)."""
+        fault_point("lookup")
         found = []
         for row, budget in zip(rows, budgets):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
             if self.options.lookup and budget:
+                history = self.history.pool(self._tenants.get(row.req_id)) if self.history else None
                 source, draft = lookup_draft(step.context(row.index), budget, self.options.lookup_max_match,
-                                             self.history)
+                                             history)
             found.append((source, draft))
         return found
 
     def _plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
         """How much of each kind of draft pays this step (everything offered, if not adaptive).
         Timing differs between tensor-parallel ranks, so rank 0's plan is the one used."""
+        fault_point("plan")
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
         draining = self._steps_since_admission > DRAIN_AFTER_STEPS
@@ -172,9 +191,18 @@ class SelfAdmgProposer:
 
     def forget(self, req_id: str, request=None) -> None:
         """The runner dropped this request (finished or aborted): drop its mask and rates, and
-        keep its output for later requests to draft from."""
-        if self.self_drafter is not None:
-            self.self_drafter.forget(req_id)
-        self.controller.forget(req_id)
-        if self.history is not None and request is not None and request.output_token_ids:
-            self.history.add(np.array(request.output_token_ids))
+        keep its output for its tenant's later requests to draft from. An output that a stop
+        string ended was cut in the front end at a point the worker does not know, so it is not
+        kept: its tail was never sent. Runs even with drafting switched off, so that nothing is
+        left behind."""
+        try:
+            tenant = self._tenants.pop(req_id, None)
+            if self.self_drafter is not None:
+                self.self_drafter.forget(req_id)
+            self.controller.forget(req_id)
+            params = getattr(request, "sampling_params", None)
+            if (self.history is not None and request is not None and request.output_token_ids
+                    and not (params is not None and params.stop)):
+                self.history.add(tenant, np.array(request.output_token_ids))
+        except Exception as err:  # never let clean-up of an optimisation fail a request
+            self.fail_safe.record(err)

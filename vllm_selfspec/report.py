@@ -51,6 +51,9 @@ def proposer_report(worker, measurements: bool = True) -> dict:
     report = {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)
               if f.name not in ("measurements", "steps")}
     report["live_requests"] = sorted(drafter.self_drafter.masks)
+    report["faults"] = drafter.fail_safe.faults
+    report["drafting_disabled"] = drafter.fail_safe.disabled
+    report["fault_kinds"] = sorted(drafter.fail_safe.kinds_seen)
     if measurements:
         report["steps"] = [list(step) for step in counters.steps]
         report["measurements"] = [

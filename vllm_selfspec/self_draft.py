@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from vllm_selfspec.admg import SkipMask, select_skip_mask
+from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.residual_stream import HeadIds, ResidualStream, draft_logits, similarity_sums
 from vllm_selfspec.vllm_compat.draft_forward import DraftForward, same_on_all_ranks
@@ -75,6 +76,7 @@ class SelfDrafter:
 
     def probe(self, step: StepView, forward: DraftForward, rows: list[int]) -> ProbeResult:
         """Measure these rows' prompts and keep their masks."""
+        fault_point("probe")
         start = time.perf_counter()
         attn_mean, mlp_mean, query_lens = self._similarities(step, forward, rows)
         measurements = []
@@ -139,6 +141,7 @@ class SelfDrafter:
             positions = first_positions[active] + j
             active_rows = [rows[i] for i in active]
             with forward.draft_step(active_rows, positions, j):
+                fault_point("draft")
                 logits = draft_logits(self.stream, torch.from_numpy(tokens[active]).to(device),
                                       torch.from_numpy(positions).to(device),
                                       skip_attention[active], skip_mlp[active], head_ids)

