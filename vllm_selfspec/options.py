@@ -119,8 +119,8 @@ class SelfAdmgOptions:
         True, "also draft by lookup: continue the context as its earlier occurrences did, and "
               "self-draft where lookup offers nothing")
     lookup_history: int = option(
-        65536, "look up in earlier requests' outputs too, keeping the last N tokens of them "
-               "(0 = off)", 0, 100_000_000)
+        65536, "look up in the outputs of earlier requests with the same cache_salt too, keeping "
+               "the last N tokens over all tenants (0 = off)", 0, 100_000_000)
     adaptive: bool = option(
         True, "draft only as many tokens as measured step costs and acceptance say pay, down to "
               "none (false = always K)")
