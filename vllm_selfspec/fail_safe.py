@@ -56,13 +56,10 @@ class FailSafe:
         self.faults += 1
         self.consecutive += 1
         kind = f"{type(err).__name__}: {err}"
-        if kind not in self.kinds_seen:
-            self.kinds_seen.add(kind)
-            logger.warning("self-admg drafting fault (%d so far), this step runs without drafts: %s",
-                           self.faults, kind, exc_info=err)
-        else:
-            logger.warning("self-admg drafting fault (%d so far), this step runs without drafts: %s",
-                           self.faults, kind)
+        first_of_kind = kind not in self.kinds_seen
+        self.kinds_seen.add(kind)
+        logger.warning("self-admg drafting fault (%d so far), this step runs without drafts: %s",
+                       self.faults, kind, exc_info=err if first_of_kind else None)
         if self.consecutive >= MAX_CONSECUTIVE_FAULTS or self.faults >= MAX_FAULTS:
             self.disabled = True
             logger.error("self-admg switched off after %d drafting faults (%d in a row): serving on as "

@@ -63,10 +63,9 @@ class StepView:
         rows = []
         for i, tokens in enumerate(self.sampled_token_ids):
             if tokens:
-                req_id = self.req_ids[i]
-                params = self.runner.requests[req_id].sampling_params
-                rows.append(StepRow(i, req_id, self.tokens_left(req_id), self.samples(req_id),
-                                    not needs_plain_sampling(params)))
+                request = self.runner.requests[self.req_ids[i]]
+                rows.append(StepRow(i, self.req_ids[i], _tokens_left(request), _samples(request.sampling_params),
+                                    not needs_plain_sampling(request.sampling_params)))
         return rows
 
     def accepted(self, row: int) -> int:
@@ -85,19 +84,8 @@ class StepView:
                          logit_rows - len(rows))
 
     def samples(self, req_id: str) -> bool:
-        """Whether a request samples (temperature > 0) rather than taking the argmax."""
-        from vllm.sampling_params import SamplingType
-
         request = self.runner.requests.get(req_id)
-        params = request.sampling_params if request is not None else None
-        return params is not None and params.sampling_type != SamplingType.GREEDY
-
-    def tokens_left(self, req_id: str) -> int | None:
-        request = self.runner.requests[req_id]
-        params = request.sampling_params
-        if params is None or params.max_tokens is None:
-            return None
-        return params.max_tokens - len(request.output_token_ids)
+        return _samples(request.sampling_params if request is not None else None)
 
     def context(self, row: int) -> np.ndarray:
         """The row's tokens so far: prompt and output, up to its last sampled token."""
@@ -115,3 +103,18 @@ class StepView:
 
     def tokens_at(self, rows: list[int], positions: np.ndarray) -> np.ndarray:
         return self.batch.token_ids_cpu[rows, positions]
+
+
+def _samples(params) -> bool:
+    """Whether a request samples (temperature > 0) rather than taking the argmax."""
+    from vllm.sampling_params import SamplingType
+
+    return params is not None and params.sampling_type != SamplingType.GREEDY
+
+
+def _tokens_left(request) -> int | None:
+    """Tokens a request may still generate before max_tokens (None: no limit)."""
+    params = request.sampling_params
+    if params is None or params.max_tokens is None:
+        return None
+    return params.max_tokens - len(request.output_token_ids)
