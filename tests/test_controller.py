@@ -371,6 +371,23 @@ def test_a_retry_must_be_able_to_pay_back_its_probe():
     assert retries(remaining=None) > 0
 
 
+def test_a_new_request_is_probed_only_if_self_drafting_wins_its_probe_back():
+    """In a server every request is new once: a 3 s probe (prefill-sized) is not paid for a
+    request with 10 tokens left, though self-drafts pay per step; a probed one drafts."""
+    controller = trained(t0=0.25, t1=0.01, self_step=0.02, lookup_rate=0.9, self_rate=0.9)
+    controller.observe_probe(rows=1, seconds=3.0)
+
+    def plan(**offer):
+        return controller.plan([dataclasses.replace(self_rows(1)[0], **offer)], self_budget=4)
+
+    assert plan(remaining=10).self_length == 0
+    assert plan(remaining=10, has_mask=True).self_length == 4
+    assert plan(remaining=400).self_length == 4 and plan(remaining=None).self_length == 4
+    mixed = controller.plan([dataclasses.replace(o, remaining=10, has_mask=i == 0)
+                             for i, o in enumerate(self_rows(2))], self_budget=4)
+    assert mixed.self_rows == [True, False] and mixed.self_length == 4
+
+
 def test_a_retry_drafts_with_the_rows_that_have_a_mask_or_else_one_new_row():
     controller = trained(t0=0.25, t1=0.02, self_step=0.1, lookup_rate=0.8, self_rate=0.2)
     rows = [dataclasses.replace(o, has_mask=i == 1) for i, o in enumerate(self_rows(3))]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH, SelfAdmgConfigError
+from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, PROPOSER_PATH, SelfAdmgConfigError
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 
@@ -55,6 +55,20 @@ def test_python_spellings_and_options(tiny_model_path):
                                              "skip": "attention", "attention_threshold": 0.9}), 3)
     assert options["skip"] == "attention" and options["attention_threshold"] == 0.9
     assert_self_admg(engine_config(tiny_model_path, spec_method="self-admg", spec_tokens=2), 2)
+
+
+def test_only_offline_batches_are_planned_to_end_together(tiny_model_path):
+    """The offline LLM class and `vllm run-batch` wait for whole batches; a server never does."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    def closed(usage_context):
+        args = EngineArgs(model=str(tiny_model_path), dtype="float32", max_model_len=512,
+                          speculative_config={"method": "self-admg"})
+        return args.create_engine_config(usage_context).additional_config[CLOSED_BATCHES_KEY]
+
+    assert closed(UsageContext.LLM_CLASS) and closed(UsageContext.OPENAI_BATCH_RUNNER)
+    assert not closed(UsageContext.OPENAI_API_SERVER) and not closed(None)
 
 
 def test_other_methods_pass_through_untouched(tiny_model_path):

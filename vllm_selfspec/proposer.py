@@ -22,14 +22,15 @@ import torch
 from vllm_selfspec.control import DraftController, DraftPlan, DraftSource, RowOffer
 from vllm_selfspec.fail_safe import FailSafe, fault_point
 from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
-from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
+from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, make_options
 from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, prompt_key  # noqa: F401 (old home)
 from vllm_selfspec.self_draft import SelfDrafter
 from vllm_selfspec.vllm_compat.draft_forward import DraftForward, same_on_all_ranks
 from vllm_selfspec.vllm_compat.runner_state import StepRow, StepView
 
-# Steps without a request admitted after which the batch counts as draining: a row that
-# finishes early frees a slot nobody takes (vllm_selfspec.control.planner).
+# Steps without a request admitted after which a closed batch counts as draining: a row that
+# finishes early frees a slot nobody takes (vllm_selfspec.control.planner). In a server nobody
+# waits for a batch's end, so every step is planned for tokens per second.
 DRAIN_AFTER_STEPS = 4
 
 
@@ -50,6 +51,7 @@ class SelfAdmgProposer:
         self.vllm_config = vllm_config
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.options = make_options((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
+        self.closed_batches = bool((vllm_config.additional_config or {}).get(CLOSED_BATCHES_KEY, False))
         self.counters = ProposerCounters()
         self.controller = DraftController()
         self.self_drafter: SelfDrafter | None = None
@@ -159,7 +161,7 @@ class SelfAdmgProposer:
         fault_point("plan")
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
-        draining = self._steps_since_admission > DRAIN_AFTER_STEPS
+        draining = self.closed_batches and self._steps_since_admission > DRAIN_AFTER_STEPS
         plan = self.controller.plan(offers, self_budget, draining)
         shared = same_on_all_ranks(torch.tensor(plan.as_ints(), device=self._device)).tolist()
         return DraftPlan.from_ints(shared, len(offers))

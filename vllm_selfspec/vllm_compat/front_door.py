@@ -24,6 +24,7 @@ from typing import Literal, Union, get_args, get_origin
 
 from vllm_selfspec.options import (
     ADDITIONAL_CONFIG_KEY,
+    CLOSED_BATCHES_KEY,
     METHOD_NAME,
     SUPPORTED_ARCHITECTURES,
     SelfAdmgConfigError,
@@ -127,11 +128,25 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
         self.speculative_config = vllm_spec
         self.spec_method = self.spec_model = self.spec_tokens = None
         self.additional_config = {**(self.additional_config or {}),
-                                  ADDITIONAL_CONFIG_KEY: options.as_dict()}
+                                  ADDITIONAL_CONFIG_KEY: options.as_dict(),
+                                  CLOSED_BATCHES_KEY: getattr(self, USAGE_ATTRIBUTE, None) in CLOSED_BATCH_USES}
         return vllm_create(self, target_model_config, target_parallel_config)
 
     patch(engine_args_cls, "create_speculative_config", create_speculative_config,
           "rewrite self-admg to vLLM's custom_class method with our proposer, options checked")
+
+    def create_engine_config(self, usage_context=None, *args, **kwargs):
+        setattr(self, USAGE_ATTRIBUTE, getattr(usage_context, "value", usage_context))
+        return original(engine_args_cls, "create_engine_config")(self, usage_context, *args, **kwargs)
+
+    patch(engine_args_cls, "create_engine_config", create_engine_config,
+          "note who builds the engine: only offline batches are planned to end together")
+
+
+# vLLM's UsageContext values of callers that wait for a whole batch (the offline LLM class and
+# `vllm run-batch`); a server's requests come and go, so no batch ever drains.
+CLOSED_BATCH_USES = ("LLM_CLASS", "OPENAI_BATCH_RUNNER")
+USAGE_ATTRIBUTE = "_self_admg_usage_context"
 
 
 def _widen_method_choices() -> None:

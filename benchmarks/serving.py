@@ -1,0 +1,416 @@
+"""Open-loop serving benchmark: vLLM's own `vllm bench serve` against one `vllm serve` per method.
+
+    .venv/bin/python -m benchmarks.serving                  # quick: SmolLM2-135M
+    .venv/bin/python -m benchmarks.serving --mode full      # Qwen2.5-Coder-1.5B, draft_model = its 0.5B sibling
+    .venv/bin/python -m benchmarks.serving --methods plain self-admg --worker-cores default all
+
+Every server is started with the same flags (only `--speculative-config` differs), one at a time.
+For each workload, `vllm bench serve` first sends requests at an unlimited rate under a concurrency
+cap (on the plain server, which runs first, this measures its capacity C), then at `--load` x C
+requests/s with Poisson arrivals: from a rate at which requests rarely overlap to one beyond what
+the plain server can serve. Every server gets the same rates, and every load point prompts of its
+own: vLLM's suffix method and self-admg's lookup would otherwise draft a repeated prompt's answer
+from what they served before. Multi-turn: each MT-Bench conversation's first turn is sent,
+unmeasured, then its second turn, whose prompt holds the first answer as a chat client sends it;
+the measured requests are the second turns.
+
+Writes a dated folder: raw/ (the JSON `vllm bench serve` saved, one file per run), workloads/ (the
+JSONL it was fed), the servers' logs, table.md and results.csv (each ratio against the plain server
+of the same round), throughput.png and tpot.png (one panel per workload, one line per method), and
+environment.json (CPU, instruction set, dtype, versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime as dt
+import json
+import math
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.serve_load import VLLM, VllmServer
+
+RESULTS_DIR = Path(__file__).parent / "results"
+WORKLOADS = ("code", "summarization", "chat", "multiturn")
+MODES = {  # model, draft model for draft_model, prompts per load point, output tokens per request
+    "quick": ("smollm2-135m", None, 12, 64),
+    "full": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 16, 128),
+}
+
+
+@dataclass(frozen=True)
+class Server:
+    """One `vllm serve` set-up: a method, and whether its CPU worker gets every core."""
+
+    method: str
+    speculative_config: dict | None
+    all_cores: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.method + (" (all cores)" if self.all_cores else "")
+
+    def args(self, common: list[str]) -> list[str]:
+        spec = ["--speculative-config", json.dumps(self.speculative_config)] if self.speculative_config else []
+        return [*common, *spec]
+
+    def env(self, cpus: int) -> dict[str, str]:
+        # vLLM's CPU worker binds its OpenMP threads to the cores it is given; by default one
+        # core stays with the engine process.
+        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}"} if self.all_cores else {}
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One `vllm bench serve` run's arrivals: a rate (inf: all at once) and a concurrency cap."""
+
+    label: str  # "max" or the load as a fraction of the plain server's capacity, e.g. "0.3C"
+    rate: float
+    max_concurrency: int | None = None
+
+    def flags(self) -> list[str]:
+        flags = ["--request-rate", "inf" if math.isinf(self.rate) else f"{self.rate:.4g}"]
+        return flags + (["--max-concurrency", str(self.max_concurrency)] if self.max_concurrency else [])
+
+
+@dataclass
+class Run:
+    round: int
+    server: str
+    workload: str
+    point: LoadPoint
+    result: dict  # what `vllm bench serve` saved
+    identical_to_plain: int | None = None  # requests whose text equals the plain server's
+
+    def metric(self, key: str) -> float | None:
+        return self.result.get(key)
+
+
+@dataclass
+class Plan:
+    """What every server is sent, fixed by the first (plain) server's capacity."""
+
+    points: dict[str, list[LoadPoint]] = field(default_factory=dict)  # per workload
+
+
+# ---- workloads ------------------------------------------------------------------------------
+
+def chat_text(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def first_prompts(workload: str, tokenizer) -> list[str]:
+    """The prompts of a workload in fixed order (for multi-turn: the first turns). Code is sent
+    as a raw completion prompt, the others through the model's chat template."""
+    from benchmarks import assets
+
+    if workload == "code":
+        return assets.load_prompts("humaneval")
+    if workload == "summarization":
+        texts = assets.load_prompts("news")
+    else:
+        texts = [turns[0] for turns in assets.mtbench_conversations()]
+    return [chat_text(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+
+
+def second_turn_prompt(tokenizer, turns: list[str], answer: str) -> str:
+    return chat_text(tokenizer, [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": answer},
+                                 {"role": "user", "content": turns[1]}])
+
+
+def write_jsonl(path: Path, prompts: list[str], output_tokens: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": p, "output_tokens": output_tokens}) + "\n" for p in prompts))
+    return path
+
+
+def slices(prompts: list, count: int, size: int, workload: str) -> list[list]:
+    """`count` disjoint runs of `size` prompts, in order."""
+    if count * size > len(prompts):
+        raise SystemExit(f"{workload}: {count} load points x {size} prompts need {count * size} prompts; "
+                         f"it has {len(prompts)} (lower --prompts-per-point)")
+    return [prompts[i * size:(i + 1) * size] for i in range(count)]
+
+
+async def complete_all(server: VllmServer, prompts: list[str], max_tokens: int, concurrency: int) -> list[str]:
+    """Greedy completions of `prompts` (the unmeasured first turns), `concurrency` at a time."""
+    client, gate = server.async_client(max_retries=0, timeout=3600), asyncio.Semaphore(concurrency)
+
+    async def one(prompt: str) -> str:
+        async with gate:
+            response = await client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
+                                                       temperature=0.0)
+            return response.choices[0].text
+
+    try:
+        return list(await asyncio.gather(*map(one, prompts)))
+    finally:
+        await client.close()
+
+
+# ---- runs -----------------------------------------------------------------------------------
+
+def bench_command(server: VllmServer, tokenizer: str, dataset: Path, point: LoadPoint, num_prompts: int,
+                  result_dir: Path, result_name: str, temperature: float) -> list[str]:
+    """A `vllm bench serve` command: the dataset's prompts in file order, sent as they are (already
+    templated), each with its own output length, seeded arrivals, results saved as JSON."""
+    return [VLLM, "bench", "serve", "--backend", "openai", "--base-url", server.url(), "--model", server.model,
+            "--tokenizer", tokenizer, "--dataset-name", "custom", "--dataset-path", str(dataset),
+            "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle", "--no-oversample",
+            "--num-prompts", str(num_prompts), *point.flags(), "--seed", "0",
+            "--temperature", str(temperature), "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+            "--result-filename", result_name, "--disable-tqdm"]
+
+
+def bench(server: VllmServer, command: list[str], log: Path, timeout: float) -> dict:
+    with open(log, "a") as out:
+        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=True)
+    result_dir, name = Path(command[command.index("--result-dir") + 1]), command[command.index("--result-filename") + 1]
+    return json.loads((result_dir / name).read_text())
+
+
+def capacity_points(capacity: float, loads: list[float], cap: int) -> list[LoadPoint]:
+    return [LoadPoint("max", math.inf, cap), *(LoadPoint(f"{f:g}C", f * capacity) for f in loads)]
+
+
+def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, args, tokenizer, out: Path,
+                   round_: int) -> list[Run]:
+    size = args.prompts_per_point
+    count = 1 + len(args.load)
+    prompt_slices = slices(first_prompts(workload, tokenizer), count, size, workload)
+    if workload == "multiturn":
+        from benchmarks import assets
+
+        conversations = slices(assets.mtbench_conversations(), count, size, workload)
+        answers = asyncio.run(complete_all(server, [p for s in prompt_slices for p in s], args.output_tokens,
+                                           args.max_concurrency))
+        prompt_slices = [[second_turn_prompt(tokenizer, turns, answers.pop(0)) for turns in conv]
+                         for conv in conversations]
+    runs = []
+    for index, prompts in enumerate(prompt_slices):
+        if workload in plan.points:
+            point = plan.points[workload][index]
+        elif index == 0:  # the first server's capacity run, which sets the rates
+            point = LoadPoint("max", math.inf, args.max_concurrency)
+        else:
+            raise RuntimeError("the rates come from the first server's unlimited-rate run")
+        slug = f"r{round_}-{spec.name.replace(' ', '_')}-{workload}-{point.label}"
+        dataset = write_jsonl(out / "workloads" / f"{slug}.jsonl", prompts, args.output_tokens)
+        command = bench_command(server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json",
+                                args.temperature)
+        result = bench(server, command, out / "bench.log", args.run_timeout)
+        runs.append(Run(round_, spec.name, workload, point, result))
+        print(f"  {slug}: {result['completed']} done, {result['failed']} failed, "
+              f"{result['output_throughput']:.1f} tok/s, TPOT {result.get('mean_tpot_ms') or 0:.0f} ms", flush=True)
+        if index == 0 and workload not in plan.points:
+            plan.points[workload] = capacity_points(result["request_throughput"], args.load, args.max_concurrency)
+    return runs
+
+
+def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int) -> list[Run]:
+    common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
+              str(args.kv_cache_gb << 30), "--served-model-name", args.model_path, "--seed", "0"]
+    log = out / f"server-r{round_}-{spec.name.replace(' ', '_')}.log"
+    print(f"round {round_}: {spec.name}", flush=True)
+    with VllmServer(args.model_path, *spec.args(common), log_path=log, env=spec.env(args.cpus)) as server:
+        return [run for workload in args.workloads
+                for run in serve_workload(server, spec, workload, plan, args, tokenizer, out, round_)]
+
+
+# ---- summary --------------------------------------------------------------------------------
+
+def mark_identical(runs: list[Run]) -> None:
+    """Count each run's requests whose generated text equals the plain server's in that round."""
+    plain = {(r.round, r.workload, r.point.label): r for r in runs if r.server == "plain"}
+    for run in runs:
+        base = plain.get((run.round, run.workload, run.point.label))
+        if base is not None and "generated_texts" in run.result:
+            pairs = zip(run.result["generated_texts"], base.result.get("generated_texts", []))
+            run.identical_to_plain = sum(a == b for a, b in pairs)
+
+
+RATIOS = {  # name: (metric, higher is better)
+    "throughput_x": ("output_throughput", True),
+    "mean_tpot_x": ("mean_tpot_ms", False),
+    "p99_tpot_x": ("p99_tpot_ms", False),
+    "p99_ttft_x": ("p99_ttft_ms", False),
+}
+
+
+def ratio(run: Run, base: Run, metric: str, higher_is_better: bool) -> float | None:
+    """A speed ratio, above 1 when `run` is better (TTFT is a time: below 1 is better there)."""
+    a, b = run.metric(metric), base.metric(metric)
+    if not a or not b:
+        return None
+    if metric.endswith("ttft_ms"):
+        return a / b
+    return a / b if higher_is_better else b / a
+
+
+def summarize(runs: list[Run]) -> list[dict]:
+    """One row per (workload, load point, server): medians over rounds, ratio ranges."""
+    plain = {(r.round, r.workload, r.point.label): r for r in runs if r.server == "plain"}
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.workload, run.point.label, run.server), []).append(run)
+    rows = []
+    for (workload, label, server), group in groups.items():
+        row = {"workload": workload, "load": label, "server": server,
+               "rate_req_s": "inf" if math.isinf(group[0].point.rate) else round(group[0].point.rate, 3),
+               "rounds": len(group), "failed": sum(r.metric("failed") or 0 for r in group)}
+        for key in ("output_throughput", "mean_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms",
+                    "spec_decode_acceptance_length"):
+            values = [r.metric(key) for r in group if r.metric(key) is not None]
+            row[key] = round(statistics.median(values), 2) if values else None
+        for name, (metric, higher) in RATIOS.items():
+            values = [v for r in group if (base := plain.get((r.round, workload, label)))
+                      and (v := ratio(r, base, metric, higher)) is not None]
+            row[name] = (f"{min(values):.2f}" if len(values) == 1 else f"{min(values):.2f}-{max(values):.2f}"
+                         ) if values and server != "plain" else ""
+        identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
+        row["identical_to_plain"] = f"{sum(identical)}/{sum(r.metric('completed') or 0 for r in group)}" \
+            if identical and server != "plain" else ""
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in columns) + " |"
+                              for r in rows])
+
+
+def plot(rows: list[dict], workloads: list[str], out: Path) -> None:
+    """throughput.png and tpot.png: one panel per workload, x the request rate (the unlimited
+    rate drawn at the right end), one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def x_of(row, finite_max):
+        return finite_max * 1.3 if row["rate_req_s"] == "inf" else row["rate_req_s"]
+
+    for name, series in (("throughput", [("output_throughput", "-")]),
+                         ("tpot", [("mean_tpot_ms", "-"), ("p99_tpot_ms", ":")])):
+        fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.6), squeeze=False)
+        for ax, workload in zip(axes[0], workloads):
+            mine = [r for r in rows if r["workload"] == workload]
+            finite = [r["rate_req_s"] for r in mine if r["rate_req_s"] != "inf"] or [1.0]
+            for i, server in enumerate(dict.fromkeys(r["server"] for r in mine)):
+                points = sorted((x_of(r, max(finite)), r) for r in mine if r["server"] == server)
+                for key, style in series:
+                    ax.plot([x for x, _ in points], [r[key] for _, r in points], style, marker="o", color=f"C{i}",
+                            label=server if style == "-" else None)
+            ax.set_title(workload)
+            ax.set_xscale("log")
+            ax.set_xlabel("request rate (req/s); rightmost: unlimited, capped")
+        axes[0][0].set_ylabel("output tokens/s" if name == "throughput" else "TPOT ms (solid mean, dotted p99)")
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def servers(args) -> list[Server]:
+    from benchmarks.run import method_configs
+
+    known = method_configs(args.draft_path)
+    unknown = [m for m in args.methods if m not in known]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join(known)}")
+    names = ["plain", *[m for m in args.methods if m != "plain"]]
+    return [Server(m, known[m], all_cores) for all_cores in args.all_cores for m in names]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=MODES, default="quick")
+    parser.add_argument("--methods", nargs="+", default=["ngram", "suffix", "draft_model", "self-admg-paper",
+                                                          "self-admg"],
+                        help="besides plain, which always runs first (draft_model only in full mode)")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--load", nargs="+", type=float, default=[0.1, 0.3, 0.6, 1.5],
+                        help="request rates as fractions of the plain server's capacity C")
+    parser.add_argument("--max-concurrency", type=int, default=16, help="the cap of the unlimited-rate run")
+    parser.add_argument("--prompts-per-point", type=int, help="default: by --mode")
+    parser.add_argument("--output-tokens", type=int, help="max_tokens of every request; default: by --mode")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--rounds", type=int, default=1, help="every server again, in reverse order each round")
+    parser.add_argument("--worker-cores", nargs="+", choices=["default", "all"], default=["default"],
+                        help="all: the CPU worker computes on every core (VLLM_CPU_OMP_THREADS_BIND); "
+                             "default: vLLM keeps one core for the engine process")
+    parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-gb", type=int, default=2)
+    parser.add_argument("--run-timeout", type=float, default=3600, help="seconds per `vllm bench serve` run")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/serving-<mode>-<date>")
+    args = parser.parse_args(argv)
+    model, draft, per_point, tokens = MODES[args.mode]
+    args.prompts_per_point = args.prompts_per_point or per_point
+    args.output_tokens = args.output_tokens or tokens
+    args.model, args.draft = model, draft
+    args.all_cores = [choice == "all" for choice in args.worker_cores]
+    if draft is None and "draft_model" in args.methods:
+        args.methods.remove("draft_model")  # SmolLM2-135M has no smaller sibling to draft with
+    return args
+
+
+def main(argv=None) -> Path:
+    import os
+
+    from transformers import AutoTokenizer
+
+    from benchmarks import assets
+    from benchmarks.engine import choose_dtype
+    from benchmarks.run import environment
+
+    args = parse_args(argv)
+    args.dtype, args.dtype_reason = choose_dtype(args.dtype)
+    args.cpus = os.cpu_count()
+    args.model_path = assets.model_or_path(args.model)
+    args.draft_path = assets.model_or_path(args.draft) if args.draft else None
+    out = args.out or RESULTS_DIR / dt.datetime.now().strftime(f"serving-{args.mode}-%Y-%m-%d_%H%M")
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
+    print(f"dtype {args.dtype_reason}; results in {out}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    plan, runs, specs = Plan(), [], servers(args)
+    for round_ in range(args.rounds):
+        for spec in (specs if round_ % 2 == 0 else [specs[0], *reversed(specs[1:])]):
+            runs += run_server(spec, plan, args, tokenizer, out, round_)
+            write_summary(runs, args, out)
+    print((out / "table.md").read_text() + f"\nresults in {out}")
+    return out
+
+
+def write_summary(runs: list[Run], args, out: Path) -> None:
+    mark_identical(runs)
+    rows = summarize(runs)
+    header = (f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
+              f"prompts per load point, {args.output_tokens} output tokens, temperature {args.temperature:g}, "
+              f"loads {', '.join(f'{f:g}C' for f in args.load)} of the plain server's capacity C and unlimited "
+              f"with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
+              f"{dt.datetime.now().isoformat(timespec='minutes')}.\n"
+              f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
+              f"(below 1 is better).\nCommand: `python -m benchmarks.serving {' '.join(sys.argv[1:])}`\n\n")
+    (out / "table.md").write_text(header + markdown_table(rows) + "\n")
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, [w for w in args.workloads if any(r["workload"] == w for r in rows)], out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The serving benchmark's own logic (benchmarks/serving.py): load points, prompt slices, the
+`vllm bench serve` command, and the ratios in its table. No server is started here."""
+
+import json
+import math
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import serving
+from benchmarks.serving import LoadPoint, Run, Server
+
+
+def run(server, point, round_=0, workload="code", **result):
+    return Run(round_, server, workload, point, {"completed": 2, "failed": 0, **result})
+
+
+def test_load_points_scale_the_plain_capacity_and_start_with_the_capped_unlimited_run():
+    points = serving.capacity_points(2.0, [0.1, 1.5], cap=16)
+    assert [p.label for p in points] == ["max", "0.1C", "1.5C"]
+    assert points[0].flags() == ["--request-rate", "inf", "--max-concurrency", "16"]
+    assert points[1].flags() == ["--request-rate", "0.2"]
+    assert points[2].rate == pytest.approx(3.0)
+
+
+def test_every_load_point_gets_prompts_of_its_own():
+    parts = serving.slices(list(range(10)), count=3, size=3, workload="code")
+    assert parts == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    with pytest.raises(SystemExit, match="code: 4 load points x 3 prompts need 12 prompts; it has 10"):
+        serving.slices(list(range(10)), count=4, size=3, workload="code")
+
+
+def test_dataset_lines_are_what_the_custom_dataset_reads(tmp_path):
+    path = serving.write_jsonl(tmp_path / "w" / "a.jsonl", ["p1", "p\n2"], 64)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"prompt": "p1", "output_tokens": 64}, {"prompt": "p\n2", "output_tokens": 64}]
+
+
+def test_bench_command_sends_the_file_in_order_as_it_is(tmp_path):
+    server = SimpleNamespace(url=lambda: "http://127.0.0.1:9", model="/m")
+    command = serving.bench_command(server, "/m", tmp_path / "d.jsonl", LoadPoint("0.3C", 0.6), 12,
+                                    tmp_path, "x.json", 0.0)
+    flag = lambda name: command[command.index(name) + 1]  # noqa: E731
+    assert command[1:3] == ["bench", "serve"]
+    assert flag("--request-rate") == "0.6" and "--max-concurrency" not in command
+    assert flag("--custom-output-len") == "-1"  # each line's output_tokens
+    assert {"--skip-chat-template", "--disable-shuffle", "--no-oversample", "--save-result"} <= set(command)
+    assert flag("--num-prompts") == "12" and flag("--result-filename") == "x.json"
+
+
+def test_every_flag_of_the_bench_command_is_one_vllm_bench_serve_knows(tmp_path):
+    server = SimpleNamespace(url=lambda: "http://127.0.0.1:9", model="/m")
+    command = serving.bench_command(server, "/m", tmp_path / "d.jsonl", LoadPoint("max", math.inf, 16), 12,
+                                    tmp_path, "x.json", 0.0)
+    usage = subprocess.run([*command[:3], "--help=all"], capture_output=True, text=True, timeout=300).stdout
+    unknown = [arg for arg in command[3:] if arg.startswith("--") and arg not in usage]
+    assert usage and not unknown
+
+
+def test_ratios_are_against_plain_of_the_same_round_with_their_range():
+    point = LoadPoint("0.1C", 0.2)
+    runs = [run("plain", point, 0, output_throughput=100, mean_tpot_ms=50, p99_tpot_ms=80, p99_ttft_ms=200),
+            run("fast", point, 0, output_throughput=120, mean_tpot_ms=25, p99_tpot_ms=40, p99_ttft_ms=220),
+            run("plain", point, 1, output_throughput=50, mean_tpot_ms=100, p99_tpot_ms=80, p99_ttft_ms=100),
+            run("fast", point, 1, output_throughput=55, mean_tpot_ms=80, p99_tpot_ms=80, p99_ttft_ms=100)]
+    rows = {r["server"]: r for r in serving.summarize(runs)}
+    assert rows["fast"]["throughput_x"] == "1.10-1.20"
+    assert rows["fast"]["mean_tpot_x"] == "1.25-2.00"  # plain's TPOT over fast's: above 1 is faster
+    assert rows["fast"]["p99_ttft_x"] == "1.00-1.10"  # a time ratio: above 1 is slower
+    assert rows["fast"]["output_throughput"] == 87.5 and rows["fast"]["rounds"] == 2
+    assert rows["plain"]["throughput_x"] == ""
+
+
+def test_identical_outputs_are_counted_against_plain():
+    point = LoadPoint("max", math.inf, 4)
+    runs = [run("plain", point, generated_texts=["a", "b"]), run("other", point, generated_texts=["a", "c"])]
+    serving.mark_identical(runs)
+    assert runs[1].identical_to_plain == 1
+    assert {r["server"]: r["identical_to_plain"] for r in serving.summarize(runs)}["other"] == "1/2"
+
+
+def test_server_set_ups_differ_only_in_speculation_and_cores():
+    common = ["--dtype", "float32"]
+    plain, admg = Server("plain", None), Server("self-admg", {"method": "self-admg"}, all_cores=True)
+    assert plain.args(common) == common and plain.env(2) == {}
+    assert admg.args(common) == [*common, "--speculative-config", '{"method": "self-admg"}']
+    assert admg.env(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"} and admg.name == "self-admg (all cores)"
+
+
+def test_quick_mode_drops_draft_model_and_plain_runs_first():
+    args = serving.parse_args(["--methods", "suffix", "draft_model", "plain", "--worker-cores", "default", "all"])
+    assert (args.model, args.prompts_per_point, args.output_tokens) == ("smollm2-135m", 12, 64)
+    assert args.methods == ["suffix", "plain"]
+    args.draft_path = None
+    assert [s.name for s in serving.servers(args)] == ["plain", "suffix", "plain (all cores)", "suffix (all cores)"]
