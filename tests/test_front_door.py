@@ -69,6 +69,10 @@ def test_only_offline_batches_are_planned_to_end_together(tiny_model_path):
 
     assert closed(UsageContext.LLM_CLASS) and closed(UsageContext.OPENAI_BATCH_RUNNER)
     assert not closed(UsageContext.OPENAI_API_SERVER) and not closed(None)
+    # vLLM copies engine arguments by vars() (LLM.from_engine_args): nothing of ours is left there.
+    args = EngineArgs(model=str(tiny_model_path), dtype="float32", max_model_len=512)
+    args.create_engine_config(UsageContext.LLM_CLASS)
+    EngineArgs(**vars(args))
 
 
 def test_other_methods_pass_through_untouched(tiny_model_path):

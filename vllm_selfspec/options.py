@@ -24,8 +24,9 @@ from typing import Any
 METHOD_NAME = "self-admg"
 PROPOSER_PATH = "vllm_selfspec.proposer.SelfAdmgProposer"
 ADDITIONAL_CONFIG_KEY = "self_admg"
-# Set by the front door, not by users: true when the engine serves closed batches (the offline
-# LLM class, `vllm run-batch`), whose callers wait for a whole batch; false in a server.
+# Set by the front door, not by users: true only when the engine serves closed batches (the
+# offline LLM class, `vllm run-batch`), whose callers wait for a whole batch; false otherwise
+# (servers, direct engine use).
 CLOSED_BATCHES_KEY = "self_admg_closed_batches"
 EXPERIMENTAL_KEY = "experimental"
 

@@ -151,13 +151,15 @@ class DraftPlanner:
                                      self._self_token_cost(cost, self_rows))
             unpaid = self._unpaid_probes(offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
             if unpaid:  # plan again without them (they may still take their lookup drafts)
-                self_rows = [i for i in self_rows if i not in unpaid]
-                with_self = self._greedy(offers, gains, cost, verifying, self_rows, self_budget,
-                                         self._self_token_cost(cost, self_rows)) if self_rows else best
+                kept = [i for i in self_rows if i not in unpaid]
+                with_self = self._greedy(offers, gains, cost, verifying, kept, self_budget,
+                                         self._self_token_cost(cost, kept)) if kept else best
             if with_self.self_length and with_self.rate > best.rate:
                 best = with_self
         if best.rate <= plain.rate:
             best = plain
+        # The retries' best case stays over every row that would rather self-draft: a retry
+        # prices its own probe (_retry_pays).
         self_token_cost = self._self_token_cost(cost, self_rows)
         # At best each self-draft token costs self_token_cost / m, not the plan's seconds per token.
         per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
@@ -170,15 +172,16 @@ class DraftPlanner:
         return sum(cost[i] for i in self_rows) + self.costs.self_step_seconds(len(self_rows))
 
     def _unpaid_probes(self, offers, self_rows, without_self: Choice, with_self: Choice) -> set[int]:
-        """The rows without a mask whose probe costs more than self-drafting would save them:
-        the seconds per token that self-drafting saves this step, over the tokens they have left.
-        In a server every request is new once; a probe costs a few target steps, more than a
-        short request can win back. Before any probe is timed, probes are free (to time one)."""
+        """The rows without a mask whose probe costs more than self-drafting would save them: the
+        seconds per token that self-drafting saves this step (over the whole batch, an
+        approximation of a row's own share), times each row's tokens left. In a server every
+        request is new once; a probe costs a few target steps, more than a short request can win
+        back. Before any probe is timed, probes are free (to time one)."""
         probe = self.costs.probe_seconds
         new = {i for i in self_rows if not offers[i].has_mask}
-        if probe is None or not new or not with_self.self_length:
-            return set()
-        saving = max(0.0, without_self.seconds / without_self.tokens - with_self.seconds / with_self.tokens)
+        saving = without_self.seconds / without_self.tokens - with_self.seconds / with_self.tokens
+        if probe is None or not new or not with_self.self_length or saving <= 0:
+            return set()  # (with no saving, self-drafting is not chosen anyway)
         return {i for i in new if saving * offers[i].tokens_left < probe}
 
     def _maybe_retry(self, offers, self_rows, choice: Choice, self_budget: int) -> bool:

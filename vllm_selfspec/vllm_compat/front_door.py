@@ -5,7 +5,9 @@ extra="forbid"), so self-admg rides on its `custom_class` method with our propos
 `EngineArgs.create_speculative_config` (the one place all spellings meet, in the front-end
 process) rewrites a self-admg config before vLLM validates it, moves our options into
 `additional_config["self_admg"]` (vLLM's sanctioned channel to the workers) and rejects
-unsupported set-ups with one readable error.
+unsupported set-ups with one readable error. `EngineArgs.create_engine_config` is wrapped only
+to know who builds the engine (vLLM's usage context): offline batches are planned to end
+together, a server's never (`additional_config["self_admg_closed_batches"]`).
 
 Spellings: --speculative-config/-sc JSON and LLM(speculative_config=dict) with method or model
 "self-admg"; --spec-method self-admg (argparse choices come from the dataclass field type, so
@@ -16,6 +18,7 @@ added back as aliases of --spec-model/--spec-tokens.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import logging
 import sys
@@ -129,15 +132,20 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
         self.spec_method = self.spec_model = self.spec_tokens = None
         self.additional_config = {**(self.additional_config or {}),
                                   ADDITIONAL_CONFIG_KEY: options.as_dict(),
-                                  CLOSED_BATCHES_KEY: getattr(self, USAGE_ATTRIBUTE, None) in CLOSED_BATCH_USES}
+                                  CLOSED_BATCHES_KEY: _usage_context.get() in CLOSED_BATCH_USES}
         return vllm_create(self, target_model_config, target_parallel_config)
 
     patch(engine_args_cls, "create_speculative_config", create_speculative_config,
           "rewrite self-admg to vLLM's custom_class method with our proposer, options checked")
 
     def create_engine_config(self, usage_context=None, *args, **kwargs):
-        setattr(self, USAGE_ATTRIBUTE, getattr(usage_context, "value", usage_context))
-        return original(engine_args_cls, "create_engine_config")(self, usage_context, *args, **kwargs)
+        # A context variable, not an attribute: vLLM copies an EngineArgs by vars() (e.g.
+        # LLM.from_engine_args), and an unknown attribute would break plain vLLM there.
+        token = _usage_context.set(getattr(usage_context, "value", usage_context))
+        try:
+            return original(engine_args_cls, "create_engine_config")(self, usage_context, *args, **kwargs)
+        finally:
+            _usage_context.reset(token)
 
     patch(engine_args_cls, "create_engine_config", create_engine_config,
           "note who builds the engine: only offline batches are planned to end together")
@@ -146,7 +154,7 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
 # vLLM's UsageContext values of callers that wait for a whole batch (the offline LLM class and
 # `vllm run-batch`); a server's requests come and go, so no batch ever drains.
 CLOSED_BATCH_USES = ("LLM_CLASS", "OPENAI_BATCH_RUNNER")
-USAGE_ATTRIBUTE = "_self_admg_usage_context"
+_usage_context: contextvars.ContextVar[str | None] = contextvars.ContextVar("self_admg_usage_context", default=None)
 
 
 def _widen_method_choices() -> None:
