@@ -479,9 +479,12 @@ def _news_prompts(directory: Path) -> list[str]:
     return [NEWS_PROMPT_TEMPLATE.format(article=article) for article in articles]
 
 
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def _mtbench_conversations(directory: Path) -> list[list[str]]:
-    lines = (directory / "question.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["turns"] for line in lines if line.strip()]
+    return [question["turns"] for question in _jsonl(directory / "question.jsonl")]
 
 
 def mtbench_conversations(
@@ -494,9 +497,7 @@ def mtbench_conversations(
 PROMPT_READERS: dict[str, Callable[[Path], list[str]]] = {
     "humaneval": _humaneval_prompts,
     "news": _news_prompts,
-    "ifbench": lambda directory: [json.loads(line)["prompt"] for line in
-                                  (directory / "IFBench_test.jsonl").read_text(encoding="utf-8").splitlines()
-                                  if line.strip()],
+    "ifbench": lambda directory: [item["prompt"] for item in _jsonl(directory / "IFBench_test.jsonl")],
     # the first turn of each conversation: a general chat question
     "mtbench": lambda directory: [turns[0] for turns in _mtbench_conversations(directory)],
 }

@@ -328,9 +328,9 @@ def parse_args(argv=None):
                         help="requests before measuring (a plain server's memory settles over ~500)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--soak", action="store_true",
-                        help="the soak mix instead (prompts cut to 100/200/400 characters or whole; soak_request: lengths 8-64, temperatures 0/0.7/1, stop "
-                             "strings, two cache_salt tenants, min_p, logit_bias, aborts mid-stream); prompts "
-                             "may repeat")
+                        help="the soak mix instead (prompts cut to 100/200/400 characters or whole; "
+                             "soak_request: lengths 8-64, temperatures 0/0.7/1, stop strings, two cache_salt "
+                             "tenants, min_p, logit_bias, aborts mid-stream); prompts may repeat")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds per server")
     parser.add_argument("--speculative-config", default='{"method": "self-admg", "num_speculative_tokens": 4}')
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -355,7 +355,7 @@ def main(argv=None) -> Path:
     prompts = [p for group in itertools.zip_longest(*map(assets.load_prompts, names)) for p in group if p]
     if args.soak:  # a soak measures stability and memory, not speed: prompts may come again,
         # cut to mixed lengths (prefill is most of a request's cost on a CPU)
-        prompts = [p[:SOAK_PROMPT_CHARS[(i // 4) % 4]] for i, p in
+        prompts = [p[:SOAK_PROMPT_CHARS[(i // 4) % len(SOAK_PROMPT_CHARS)]] for i, p in
                    enumerate(itertools.islice(itertools.cycle(prompts), args.warmup + args.requests))]
     if args.warmup + args.requests > len(prompts):
         raise SystemExit(f"--warmup {args.warmup} + --requests {args.requests} needs that many distinct "
@@ -373,8 +373,9 @@ def main(argv=None) -> Path:
     plain_rps = rows[0]["requests_per_s"]
     for row in rows:
         row["speedup_requests_per_s"] = round(row["requests_per_s"] / plain_rps, 3) if plain_rps else None
-    mix = ("the soak mix: prompts cut to 100/200/400 characters or whole, 8-64 tokens, temperatures 0/0.7/1, stop strings, two cache_salt tenants, "
-           "min_p, logit_bias, every 7th aborted mid-stream" if args.soak else
+    mix = ("the soak mix: prompts cut to 100/200/400 characters or whole, 8-64 tokens, temperatures "
+           "0/0.7/1, stop strings, two cache_salt tenants, min_p, logit_bias, every 7th aborted mid-stream"
+           if args.soak else
            f"{args.max_tokens} tokens, temperatures 0 and 1 alternating")
     header = (f"`vllm serve` load: {args.requests} requests after {args.warmup} warm-up ({args.workload}, {mix}) "
               f"from {args.concurrency} clients; model {args.model} "

@@ -199,8 +199,12 @@ def bench(command: list[str], log: Path, timeout: float) -> dict:
     return json.loads((result_dir / name).read_text())
 
 
+def unlimited_point(cap: int) -> LoadPoint:
+    return LoadPoint("max", math.inf, cap)
+
+
 def capacity_points(capacity: float, loads: list[float], cap: int) -> list[LoadPoint]:
-    return [LoadPoint("max", math.inf, cap), *(LoadPoint(f"{f:g}C", f * capacity) for f in loads)]
+    return [unlimited_point(cap), *(LoadPoint(f"{f:g}C", f * capacity) for f in loads)]
 
 
 def run_timeout(point: LoadPoint, prompts: int, floor: float) -> float:
@@ -233,7 +237,7 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
         if workload in plan.points:
             point = plan.points[workload][index]
         elif index == 0:  # the first server's capacity run, which sets the rates
-            point = LoadPoint("max", math.inf, args.max_concurrency)
+            point = unlimited_point(args.max_concurrency)
         else:
             raise RuntimeError(f"{workload}: no rates, the first server's unlimited-rate run failed")
         slug = f"r{round_}-{spec.name.replace(' ', '_')}-{workload}-{point.label}"
@@ -275,9 +279,14 @@ def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int
 
 # ---- summary --------------------------------------------------------------------------------
 
+def plain_runs(runs: list[Run]) -> dict[tuple, Run]:
+    """The plain servers' runs, by the key other runs name as their baseline (Run.baseline_key)."""
+    return {r.baseline_key()[:3] + (r.server.all_cores,): r for r in runs if r.server.method == "plain"}
+
+
 def mark_identical(runs: list[Run]) -> None:
     """Count each run's requests whose generated text equals its baseline's (both served)."""
-    plain = {r.baseline_key()[:3] + (r.server.all_cores,): r for r in runs if r.server.method == "plain"}
+    plain = plain_runs(runs)
     for run in runs:
         base = plain.get(run.baseline_key())
         if base is None or "generated_texts" not in run.result or "generated_texts" not in base.result:
@@ -287,28 +296,25 @@ def mark_identical(runs: list[Run]) -> None:
             run.result["generated_texts"], base.result["generated_texts"], served(run), served(base)))
 
 
-RATIOS = {  # name: (metric, higher is better)
-    "throughput_x": ("output_throughput", True),
-    "mean_tpot_x": ("mean_tpot_ms", False),
+RATIOS = {  # name: (metric, True for the run's value over plain's, False for plain's over the run's)
+    "throughput_x": ("output_throughput", True),  # above 1 is faster
+    "mean_tpot_x": ("mean_tpot_ms", False),  # a time, inverted: above 1 is faster
     "p99_tpot_x": ("p99_tpot_ms", False),
-    "p99_ttft_x": ("p99_ttft_ms", False),
+    "p99_ttft_x": ("p99_ttft_ms", True),  # a time as it is: below 1 is faster
 }
 
 
-def ratio(run: Run, base: Run, metric: str, higher_is_better: bool) -> float | None:
-    """A speed ratio, above 1 when `run` is better (TTFT is a time: below 1 is better there)."""
+def ratio(run: Run, base: Run, metric: str, run_over_base: bool) -> float | None:
     a, b = run.metric(metric), base.metric(metric)
     if not a or not b:
         return None
-    if metric.endswith("ttft_ms"):
-        return a / b
-    return a / b if higher_is_better else b / a
+    return a / b if run_over_base else b / a
 
 
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (workload, load point, server): medians over rounds; ratio ranges over the
     rounds whose runs, and their baseline's, served every request."""
-    plain = {r.baseline_key()[:3] + (r.server.all_cores,): r for r in runs if r.server.method == "plain"}
+    plain = plain_runs(runs)
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
         groups.setdefault((run.workload, run.point.label, run.server.name), []).append(run)
@@ -325,8 +331,8 @@ def summarize(runs: list[Run]) -> list[dict]:
             row[key] = round(statistics.median(values), 2) if values else None
         is_base = group[0].server.method == "plain" and not group[0].server.all_cores
         pairs = [(r, base) for r in group if (base := plain.get(r.baseline_key())) and r.clean and base.clean]
-        for name, (metric, higher) in RATIOS.items():
-            values = [v for r, base in pairs if (v := ratio(r, base, metric, higher)) is not None]
+        for name, (metric, run_over_base) in RATIOS.items():
+            values = [v for r, base in pairs if (v := ratio(r, base, metric, run_over_base)) is not None]
             row[name] = (f"{min(values):.2f}" if len(values) == 1 else f"{min(values):.2f}-{max(values):.2f}"
                          ) if values and not is_base else ""
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]

@@ -142,13 +142,13 @@ class DraftPlanner:
         `self_rows` with lookup for the rest (so a row that self-drafting does not pay for keeps
         its lookup draft)."""
         plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=t0 + sum(cost))
+        self_token_cost = self._self_token_cost(cost, self_rows)
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
         best = self._greedy(offers, gains, cost, verifying)
         if self_rows and self.costs.self_step_measured and self_budget:
-            with_self = self._greedy(offers, gains, cost, verifying, self_rows, self_budget,
-                                     self._self_token_cost(cost, self_rows))
+            with_self = self._greedy(offers, gains, cost, verifying, self_rows, self_budget, self_token_cost)
             unpaid = self._unpaid_probes(offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
             if unpaid:  # plan again without them (they may still take their lookup drafts)
                 kept = [i for i in self_rows if i not in unpaid]
@@ -160,7 +160,6 @@ class DraftPlanner:
             best = plain
         # The retries' best case stays over every row that would rather self-draft: a retry
         # prices its own probe (_retry_pays).
-        self_token_cost = self._self_token_cost(cost, self_rows)
         # At best each self-draft token costs self_token_cost / m, not the plan's seconds per token.
         per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
         best.best_self_saving = per_token * sum(offers[i].tokens_left for i in self_rows)
