@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.engine import choose_dtype, engine
+from benchmarks.engine import bind_worker_cores, choose_dtype, engine
 
 WHY = ("Where the speed comes from: drafts looked up in the prompt and earlier outputs, or made by the "
        "model with sublayers skipped; the full model verifies several per pass and keeps only what it "
@@ -92,6 +92,7 @@ def main(argv=None) -> None:
     log = None if args.verbose else assets.cache_root() / "demo.log"
     print(f"plain decoding vs self-admg: {args.model}, {len(prompts)} HumanEval prompts, batch 1")
     print(f"dtype {dtype_reason}")
+    print(f"cores {bind_worker_cores().reason}")
     if log:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text("")

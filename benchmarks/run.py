@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from benchmarks.engine import ISA_FLAGS, build_llm, choose_dtype, close_llm, cpu_flags
+from benchmarks.engine import CORES_ENV_VAR, ISA_FLAGS, bind_worker_cores, build_llm, choose_dtype, close_llm, cpu_flags
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # proposer_report via RPC
 
@@ -469,6 +469,7 @@ def environment(args) -> dict:
         "cpu_flags": {flag: flag in flags for flag in ISA_FLAGS},  # what decides the dtype's speed
         "dtype": args.dtype_reason,
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "worker_cores": os.environ.get(CORES_ENV_VAR, "auto (unset)"),  # for serving: see settings
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "argv": sys.argv,
     }
@@ -560,6 +561,7 @@ def main(argv=None) -> Path:
 
     args = parse_args(argv)
     print(f"dtype {args.dtype_reason}", flush=True)
+    print(f"cores {bind_worker_cores().reason}", flush=True)
     out = args.out or RESULTS_DIR / dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model = assets.model_or_path(args.model)

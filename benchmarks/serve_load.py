@@ -341,11 +341,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> Path:
     from benchmarks import assets
-    from benchmarks.engine import choose_dtype
+    from benchmarks.engine import bind_worker_cores, choose_dtype
 
     args = parse_args(argv)
     args.dtype, reason = choose_dtype(args.dtype)
     print(f"dtype {reason}", flush=True)
+    print(f"cores {bind_worker_cores().reason}", flush=True)
     out = args.out or RESULTS_DIR / dt.datetime.now().strftime("serve-%Y-%m-%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model = assets.model_or_path(args.model)

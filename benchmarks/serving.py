@@ -2,9 +2,10 @@
 
     .venv/bin/python -m benchmarks.serving                  # quick: SmolLM2-135M
     .venv/bin/python -m benchmarks.serving --mode full      # Qwen2.5-Coder-1.5B, draft_model = its 0.5B sibling
-    .venv/bin/python -m benchmarks.serving --methods plain self-admg --worker-cores default all
+    .venv/bin/python -m benchmarks.serving --methods plain self-admg --worker-cores all default
 
-Every server is started with the same flags (only `--speculative-config` differs), one at a time.
+Every server is started with the same flags (only `--speculative-config` differs), one at a time,
+its CPU worker computing on every core (`--worker-cores default` adds vLLM's own binding).
 For each workload, `vllm bench serve` first sends requests at an unlimited rate under a concurrency
 cap (on the plain server, which runs first, this measures its capacity C), then at `--load` x C
 requests/s with Poisson arrivals: from a rate at which requests rarely overlap to one beyond what
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import itertools
 import datetime as dt
 import json
 import math
@@ -36,6 +38,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.engine import CORES_ENV_VAR
 from benchmarks.serve_load import VLLM, VllmServer
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -43,30 +46,46 @@ WARMUP_REQUESTS = 8
 WORKLOADS = ("code", "summarization", "chat", "multiturn")
 MODES = {  # model, draft model for draft_model, prompts per load point, output tokens per request
     "quick": ("smollm2-135m", None, 12, 64),
-    "full": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 16, 128),
+    "full": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 12, 128),
 }
+# The unlimited-rate run gets this many times its concurrency cap in prompts: with no more
+# prompts than the cap it would time one batch (its prefill, then its longest answer), not a
+# server kept full.
+SATURATION_PROMPTS_PER_SLOT = 2
+PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
+# What a self-admg server's proposer spent during a run (differences of its counters).
+PROPOSER_COUNTERS = ("prompts_measured", "probe_seconds", "draft_steps", "draft_tokens", "draft_seconds",
+                     "lookup_tokens", "faults")
+PROPOSER_COLUMNS = {"probe_seconds": "probe_s", "draft_seconds": "self_draft_s", "draft_tokens": "self_draft_tokens"}
 
 
 @dataclass(frozen=True)
 class Server:
-    """One `vllm serve` set-up: a method, and whether its CPU worker gets every core."""
+    """One `vllm serve` set-up: a method, and whether its CPU worker keeps vLLM's default cores
+    (one core for the worker, the other for the engine process) instead of every core."""
 
     method: str
     speculative_config: dict | None
-    all_cores: bool = False
+    default_cores: bool = False
 
     @property
     def name(self) -> str:
-        return self.method + (" (all cores)" if self.all_cores else "")
+        return self.method + (" (default cores)" if self.default_cores else "")
+
+    @property
+    def reports_proposer(self) -> bool:
+        """A self-admg server answers for its proposer (what its probes and self-drafts cost)."""
+        return (self.speculative_config or {}).get("method") == "self-admg"
 
     def args(self, common: list[str]) -> list[str]:
         spec = ["--speculative-config", json.dumps(self.speculative_config)] if self.speculative_config else []
-        return [*common, *spec]
+        report = ["--worker-extension-cls", PROPOSER_REPORT] if self.reports_proposer else []
+        return [*common, *spec, *report]
 
-    def env(self, cpus: int) -> dict[str, str]:
-        # vLLM's CPU worker binds its OpenMP threads to the cores it is given; by default one
-        # core stays with the engine process.
-        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}"} if self.all_cores else {}
+    def env(self, every_core: str) -> dict[str, str]:
+        """The worker's cores: `every_core` (a CORES_ENV_VAR value), or vLLM's default."""
+        dev_mode = {"VLLM_SERVER_DEV_MODE": "1"} if self.reports_proposer else {}  # for /collective_rpc
+        return {CORES_ENV_VAR: "auto" if self.default_cores else every_core, **dev_mode}
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,7 @@ class Run:
     result: dict  # what `vllm bench serve` saved ({} if it did not finish)
     error: str | None = None  # why the run did not finish
     identical_to_plain: int | None = None  # requests whose text equals the plain server's
+    proposer: dict | None = None  # PROPOSER_COUNTERS spent during the run (self-admg servers)
 
     def metric(self, key: str) -> float | None:
         return self.result.get(key)
@@ -102,9 +122,9 @@ class Run:
 
     def baseline_key(self) -> tuple:
         """The plain run this one is compared with: the plain server with the same cores (plain
-        with every core is compared with the default plain server)."""
-        plain_cores = self.server.all_cores and self.server.method != "plain"
-        return self.round, self.workload, self.point.label, plain_cores
+        with vLLM's default cores is compared with plain on every core)."""
+        default_cores = self.server.default_cores and self.server.method != "plain"
+        return self.round, self.workload, self.point.label, default_cores
 
 
 @dataclass
@@ -153,12 +173,18 @@ def write_jsonl(path: Path, prompts: list[str], output_tokens: int) -> Path:
     return path
 
 
-def slices(prompts: list, count: int, size: int, workload: str) -> list[list]:
-    """`count` disjoint runs of `size` prompts, in order."""
-    if count * size > len(prompts):
-        raise SystemExit(f"{workload}: {count} load points x {size} prompts need {count * size} prompts; "
-                         f"it has {len(prompts)} (lower --prompts-per-point)")
-    return [prompts[i * size:(i + 1) * size] for i in range(count)]
+def slices(prompts: list, sizes: list[int], workload: str) -> list[list]:
+    """Disjoint runs of prompts, in order, one of each size."""
+    if sum(sizes) > len(prompts):
+        raise SystemExit(f"{workload}: load points of {'+'.join(map(str, sizes))} prompts need {sum(sizes)}; "
+                         f"it has {len(prompts)} (lower --prompts-per-point or --max-concurrency)")
+    ends = list(itertools.accumulate(sizes))
+    return [prompts[end - size:end] for size, end in zip(sizes, ends)]
+
+
+def point_sizes(args) -> list[int]:
+    """Prompts per load point: the unlimited-rate run's, then each rate's."""
+    return [SATURATION_PROMPTS_PER_SLOT * args.max_concurrency] + [args.prompts_per_point] * len(args.load)
 
 
 async def complete_all(server: VllmServer, prompts: list[str], max_tokens: int, concurrency: int) -> list[str]:
@@ -212,11 +238,27 @@ def run_timeout(point: LoadPoint, prompts: int, floor: float) -> float:
     return floor if math.isinf(point.rate) else max(floor, 3 * prompts / point.rate + 600)
 
 
+def proposer_state(server: VllmServer, spec: Server) -> dict | None:
+    """The proposer's counters, or None (other methods; or the server did not answer, which
+    costs only this diagnostic, not the run)."""
+    import httpx
+
+    try:
+        return server.rpc("self_admg_state")[0] if spec.reports_proposer else None
+    except (httpx.HTTPError, KeyError, IndexError):
+        return None
+
+
+def spent(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    return {key: round(after[key] - before[key], 3) for key in PROPOSER_COUNTERS}
+
+
 def load_slices(server: VllmServer, workload: str, plan: Plan, args, tokenizer) -> list[list[str]]:
     """The prompts of each load point. Multi-turn: the first turns are sent now, unmeasured, and
     the second turns carry the first server's answers, so every server measures the same prompts."""
-    count, size = 1 + len(args.load), args.prompts_per_point
-    prompt_slices = slices(first_prompts(workload, tokenizer), count, size, workload)
+    prompt_slices = slices(first_prompts(workload, tokenizer), point_sizes(args), workload)
     if workload != "multiturn":
         return prompt_slices
     from benchmarks import assets
@@ -245,8 +287,9 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
         command = bench_command(server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json",
                                 args.temperature)
         try:
+            before = proposer_state(server, spec)
             result = bench(command, out / "bench.log", run_timeout(point, len(prompts), args.run_timeout))
-            run = Run(round_, spec, workload, point, result)
+            run = Run(round_, spec, workload, point, result, proposer=spent(before, proposer_state(server, spec)))
         except (subprocess.SubprocessError, OSError, ValueError) as error:
             run = Run(round_, spec, workload, point, {}, error=f"{type(error).__name__}: {error}"[:300])
         if server.process.poll() is not None:
@@ -268,7 +311,7 @@ def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int
     log = out / f"server-r{round_}-{spec.name.replace(' ', '_')}.log"
     print(f"round {round_}: {spec.name}", flush=True)
     runs: list[Run] = []
-    with VllmServer(args.model_path, *spec.args(common), log_path=log, env=spec.env(args.cpus)) as server:
+    with VllmServer(args.model_path, *spec.args(common), log_path=log, env=spec.env(args.every_core)) as server:
         asyncio.run(complete_all(server, warmup_prompts(), 16, WARMUP_REQUESTS))
         for workload in args.workloads:
             runs += serve_workload(server, spec, workload, plan, args, tokenizer, out, round_)
@@ -281,7 +324,7 @@ def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int
 
 def plain_runs(runs: list[Run]) -> dict[tuple, Run]:
     """The plain servers' runs, by the key other runs name as their baseline (Run.baseline_key)."""
-    return {r.baseline_key()[:3] + (r.server.all_cores,): r for r in runs if r.server.method == "plain"}
+    return {r.baseline_key()[:3] + (r.server.default_cores,): r for r in runs if r.server.method == "plain"}
 
 
 def mark_identical(runs: list[Run]) -> None:
@@ -329,7 +372,10 @@ def summarize(runs: list[Run]) -> list[dict]:
                     "median_ttft_ms", "p99_ttft_ms", "spec_decode_acceptance_length"):
             values = [r.metric(key) for r in group if r.metric(key) is not None]
             row[key] = round(statistics.median(values), 2) if values else None
-        is_base = group[0].server.method == "plain" and not group[0].server.all_cores
+        for key, name in PROPOSER_COLUMNS.items():
+            values = [r.proposer[key] for r in group if r.proposer]
+            row[name] = round(statistics.median(values), 2) if values else None
+        is_base = group[0].server.method == "plain" and not group[0].server.default_cores
         pairs = [(r, base) for r in group if (base := plain.get(r.baseline_key())) and r.clean and base.clean]
         for name, (metric, run_over_base) in RATIOS.items():
             values = [v for r, base in pairs if (v := ratio(r, base, metric, run_over_base)) is not None]
@@ -392,7 +438,7 @@ def servers(args) -> list[Server]:
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join(known)}")
     names = ["plain", *[m for m in args.methods if m != "plain"]]
-    return [Server(m, known[m], all_cores) for all_cores in args.all_cores for m in names]
+    return [Server(m, known[m], default) for default in args.default_cores for m in names]
 
 
 def parse_args(argv=None):
@@ -409,9 +455,9 @@ def parse_args(argv=None):
     parser.add_argument("--output-tokens", type=int, help="max_tokens of every request; default: by --mode")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="every server again, in reverse order each round")
-    parser.add_argument("--worker-cores", nargs="+", choices=["default", "all"], default=["default"],
-                        help="all: the CPU worker computes on every core (VLLM_CPU_OMP_THREADS_BIND); "
-                             "default: vLLM keeps one core for the engine process")
+    parser.add_argument("--worker-cores", nargs="+", choices=["all", "default"], default=["all"],
+                        help="all: the CPU worker computes on every core (or on VLLM_CPU_OMP_THREADS_BIND "
+                             "if set); default: vLLM's binding, which keeps a core for the engine process")
     parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gb", type=int, default=2)
@@ -422,7 +468,7 @@ def parse_args(argv=None):
     args.prompts_per_point = args.prompts_per_point or per_point
     args.output_tokens = args.output_tokens or tokens
     args.model, args.draft = model, draft
-    args.all_cores = [choice == "all" for choice in args.worker_cores]
+    args.default_cores = [choice == "default" for choice in args.worker_cores]
     # In WORKLOADS order whatever the command line says: multi-turn's first turns must not be
     # sent before a workload that could draft them from history.
     args.workloads = [w for w in WORKLOADS if w in args.workloads]
@@ -437,11 +483,14 @@ def main(argv=None) -> Path:
     from transformers import AutoTokenizer
 
     from benchmarks import assets
-    from benchmarks.engine import choose_dtype
+    from benchmarks.engine import bind_worker_cores, choose_dtype
     from benchmarks.run import environment
 
     args = parse_args(argv)
     args.dtype, args.dtype_reason = choose_dtype(args.dtype)
+    cores = bind_worker_cores()
+    args.every_core = cores.binding
+    print(f"cores {cores.reason}", flush=True)
     args.cpus = os.cpu_count()
     args.model_path = assets.model_or_path(args.model)
     args.draft_path = assets.model_or_path(args.draft) if args.draft else None
@@ -451,7 +500,7 @@ def main(argv=None) -> Path:
     print(f"dtype {args.dtype_reason}; results in {out}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     for workload in args.workloads:  # before hours of serving, not after
-        slices(first_prompts(workload, tokenizer), 1 + len(args.load), args.prompts_per_point, workload)
+        slices(first_prompts(workload, tokenizer), point_sizes(args), workload)
     plan, runs, specs = Plan(), [], servers(args)
     for round_ in range(args.rounds):
         for spec in (specs if round_ % 2 == 0 else [specs[0], *reversed(specs[1:])]):
@@ -469,7 +518,7 @@ def write_summary(runs: list[Run], args, out: Path) -> None:
     mark_identical(runs)
     rows = summarize(runs)
     header = (f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
-              f"prompts per load point, {args.output_tokens} output tokens, temperature {args.temperature:g}, "
+              f"prompts per load point ({point_sizes(args)[0]} at the unlimited rate), {args.output_tokens} output tokens, temperature {args.temperature:g}, "
               f"loads {', '.join(f'{f:g}C' for f in args.load)} of the plain server's capacity C and unlimited "
               f"with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
               f"{dt.datetime.now().isoformat(timespec='minutes')}.\n"

@@ -51,3 +51,32 @@ def test_engine_args_resolve_the_model_and_the_dtype(tmp_path, monkeypatch):
     assert engine_args("smollm2-135m", dtype="auto-native")["model"] == "/cache/smollm2-135m"
     assert engine_args(tmp_path, dtype="bfloat16")["dtype"] == "bfloat16"
     assert engine_args(tmp_path, dtype=None)["dtype"] == "float32"
+
+
+def test_core_lists_are_written_as_vllm_parses_them():
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    for cpus in ({0, 1}, {0}, {0, 1, 2, 5, 7, 8}, {3, 4, 5}):
+        assert set(parse_id_list(engine.core_list(cpus))) == cpus
+    assert engine.core_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+
+
+def test_the_lab_binds_every_core_unless_the_binding_is_set(monkeypatch):
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1})
+    environ = {}
+    assert engine.bind_worker_cores(environ).binding == "0-1" and environ == {engine.CORES_ENV_VAR: "0-1"}
+    environ = {engine.CORES_ENV_VAR: "auto"}
+    assert engine.bind_worker_cores(environ).binding == "auto" and environ == {engine.CORES_ENV_VAR: "auto"}
+
+
+def test_every_command_that_builds_engines_binds_the_cores():
+    import re
+    from pathlib import Path
+
+    lab = Path(engine.__file__).parent
+    # ray_data_batch runs one replica per core, each with vLLM's own binding
+    exempt = {"engine.py", "ray_data_batch.py"}
+    commands = [p for p in lab.rglob("*.py") if p.name not in exempt
+                and re.search(r"\b(build_llm|engine|VllmServer)\(", p.read_text())]
+    assert len(commands) >= 8
+    assert [p.name for p in commands if "bind_worker_cores()" not in p.read_text()] == []

@@ -12,8 +12,8 @@ from benchmarks import serving
 from benchmarks.serving import LoadPoint, Run, Server
 
 
-def run(server, point, round_=0, workload="code", all_cores=False, **result):
-    return Run(round_, Server(server, None, all_cores), workload, point, {"completed": 2, "failed": 0, **result})
+def run(server, point, round_=0, workload="code", default_cores=False, **result):
+    return Run(round_, Server(server, None, default_cores), workload, point, {"completed": 2, "failed": 0, **result})
 
 
 def test_load_points_scale_the_plain_capacity_and_start_with_the_capped_unlimited_run():
@@ -25,10 +25,20 @@ def test_load_points_scale_the_plain_capacity_and_start_with_the_capped_unlimite
 
 
 def test_every_load_point_gets_prompts_of_its_own():
-    parts = serving.slices(list(range(10)), count=3, size=3, workload="code")
-    assert parts == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    with pytest.raises(SystemExit, match="code: 4 load points x 3 prompts need 12 prompts; it has 10"):
-        serving.slices(list(range(10)), count=4, size=3, workload="code")
+    parts = serving.slices(list(range(10)), [4, 3, 3], workload="code")
+    assert parts == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    with pytest.raises(SystemExit, match=r"code: load points of 4\+3\+3\+3 prompts need 13; it has 10"):
+        serving.slices(list(range(10)), [4, 3, 3, 3], workload="code")
+
+
+def test_the_unlimited_rate_keeps_the_server_full_for_longer_than_one_batch():
+    args = serving.parse_args(["--max-concurrency", "8", "--load", "0.1", "0.5"])
+    assert serving.point_sizes(args) == [16, 12, 12]
+
+
+def test_both_modes_fit_the_smallest_workload():  # MT-Bench: 80 conversations
+    for mode in serving.MODES:
+        assert sum(serving.point_sizes(serving.parse_args(["--mode", mode]))) <= 80
 
 
 def test_dataset_lines_are_what_the_custom_dataset_reads(tmp_path):
@@ -94,10 +104,10 @@ def test_runs_that_lost_requests_are_counted_but_not_compared():
 
 def test_each_core_setting_is_compared_with_plain_on_the_same_cores():
     point = LoadPoint("max", math.inf, 4)
-    runs = [run("plain", point, output_throughput=100), run("plain", point, all_cores=True, output_throughput=150),
-            run("fast", point, output_throughput=110), run("fast", point, all_cores=True, output_throughput=300)]
+    runs = [run("plain", point, output_throughput=150), run("plain", point, default_cores=True, output_throughput=100),
+            run("fast", point, output_throughput=300), run("fast", point, default_cores=True, output_throughput=110)]
     rows = {r["server"]: r["throughput_x"] for r in serving.summarize(runs)}
-    assert rows == {"plain": "", "plain (all cores)": "1.50", "fast": "1.10", "fast (all cores)": "2.00"}
+    assert rows == {"plain": "", "plain (default cores)": "0.67", "fast": "2.00", "fast (default cores)": "1.10"}
 
 
 def test_the_unlimited_run_is_timed_out_by_the_floor_and_slow_rates_get_their_arrival_time():
@@ -114,16 +124,36 @@ def test_plots_are_written_with_the_unlimited_rate_at_the_right(tmp_path):
 
 def test_server_set_ups_differ_only_in_speculation_and_cores():
     common = ["--dtype", "float32"]
-    plain, admg = Server("plain", None), Server("self-admg", {"method": "self-admg"}, all_cores=True)
-    assert plain.args(common) == common and plain.env(2) == {}
-    assert admg.args(common) == [*common, "--speculative-config", '{"method": "self-admg"}']
-    assert admg.env(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"} and admg.name == "self-admg (all cores)"
+    plain, ngram = Server("plain", None), Server("ngram", {"method": "ngram"}, default_cores=True)
+    assert plain.args(common) == common and plain.env("0-1") == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert ngram.args(common) == [*common, "--speculative-config", '{"method": "ngram"}']
+    assert ngram.env("0-1") == {"VLLM_CPU_OMP_THREADS_BIND": "auto"} and ngram.name == "ngram (default cores)"
 
 
 def test_quick_mode_drops_draft_model_and_plain_runs_first():
-    args = serving.parse_args(["--methods", "suffix", "draft_model", "plain", "--worker-cores", "default", "all"])
+    assert serving.parse_args([]).default_cores == [False]  # every core unless asked
+    args = serving.parse_args(["--methods", "suffix", "draft_model", "plain", "--worker-cores", "all", "default"])
     assert (args.model, args.prompts_per_point, args.output_tokens) == ("smollm2-135m", 12, 64)
     assert args.methods == ["suffix", "plain"]
     assert serving.parse_args(["--workloads", "multiturn", "code"]).workloads == ["code", "multiturn"]
     args.draft_path = None
-    assert [s.name for s in serving.servers(args)] == ["plain", "suffix", "plain (all cores)", "suffix (all cores)"]
+    assert [s.name for s in serving.servers(args)] == ["plain", "suffix", "plain (default cores)",
+                                                        "suffix (default cores)"]
+
+
+def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
+    admg, ngram = Server("self-admg", {"method": "self-admg"}), Server("ngram", {"method": "ngram"})
+    assert admg.args([]) == ["--speculative-config", '{"method": "self-admg"}',
+                             "--worker-extension-cls", serving.PROPOSER_REPORT]
+    assert admg.env("0-1")["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_SERVER_DEV_MODE" not in ngram.env("0-1")
+    assert serving.proposer_state(object(), ngram) is None
+    before = dict.fromkeys(serving.PROPOSER_COUNTERS, 0) | {"probe_seconds": 1.0, "draft_tokens": 10}
+    after = before | {"probe_seconds": 3.5, "draft_tokens": 40, "draft_seconds": 0.25}
+    assert serving.spent(before, after) == dict.fromkeys(serving.PROPOSER_COUNTERS, 0) | {
+        "probe_seconds": 2.5, "draft_tokens": 30, "draft_seconds": 0.25}
+    assert serving.spent(None, after) is None
+    point = LoadPoint("max", math.inf, 4)
+    runs = [run("plain", point), run("self-admg", point), run("self-admg", point, round_=1)]
+    runs[1].proposer, runs[2].proposer = serving.spent(before, after), None
+    rows = {r["server"]: r for r in serving.summarize(runs)}
+    assert rows["self-admg"]["probe_s"] == 2.5 and rows["plain"]["probe_s"] is None

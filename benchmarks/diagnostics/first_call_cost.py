@@ -21,7 +21,7 @@ def main(argv=None) -> None:
     from vllm import SamplingParams
 
     from benchmarks import assets
-    from benchmarks.engine import build_llm, choose_dtype
+    from benchmarks.engine import build_llm, bind_worker_cores, choose_dtype
     from vllm_selfspec.report import proposer_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,6 +31,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     dtype = choose_dtype(args.dtype)
     print(f"dtype {dtype.reason}", flush=True)
+    print(f"cores {bind_worker_cores().reason}", flush=True)
     prompts = assets.load_prompts("humaneval")
     llm = build_llm(args.model, dtype=dtype.dtype, max_model_len=2048,
                     max_num_seqs=max(args.batches), kv_cache_memory_bytes=1 << 30,

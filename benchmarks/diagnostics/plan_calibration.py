@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     from vllm import SamplingParams
 
     from benchmarks import assets
-    from benchmarks.engine import build_llm, choose_dtype
+    from benchmarks.engine import build_llm, bind_worker_cores, choose_dtype
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -75,6 +75,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     dtype = choose_dtype(args.dtype)
     print(f"dtype {dtype.reason}", flush=True)
+    print(f"cores {bind_worker_cores().reason}", flush=True)
     prompts = assets.load_prompts(args.workload)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
     llm = build_llm(args.model, dtype=dtype.dtype, max_model_len=2048, max_num_seqs=args.batch,

@@ -22,7 +22,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     from benchmarks import assets
-    from benchmarks.engine import build_llm, choose_dtype, close_llm
+    from benchmarks.engine import build_llm, bind_worker_cores, choose_dtype, close_llm
     from vllm_selfspec.report import proposer_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,6 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     args.dtype, reason = choose_dtype(args.dtype)
     print(f"dtype {reason}", flush=True)
+    print(f"cores {bind_worker_cores().reason}", flush=True)
     model = assets.model_or_path(args.model)
     prompts = assets.load_prompts(args.dataset, limit=args.prompts)
     common = dict(dtype=args.dtype, max_model_len=4096, max_num_seqs=1,

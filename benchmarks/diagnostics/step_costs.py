@@ -25,7 +25,7 @@ def main(argv=None) -> None:
     from vllm import SamplingParams
 
     from benchmarks import assets
-    from benchmarks.engine import build_llm, choose_dtype, close_llm
+    from benchmarks.engine import build_llm, bind_worker_cores, choose_dtype, close_llm
     from vllm_selfspec.report import proposer_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,6 +39,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     dtype = choose_dtype(args.dtype)
     print(f"dtype {dtype.reason}", flush=True)
+    print(f"cores {bind_worker_cores().reason}", flush=True)
     model = assets.model_or_path(args.model)
     prompts = assets.load_prompts(args.workload)
     warmup, batches = prompts[:args.batch], [prompts[args.batch * i:args.batch * (i + 1)] for i in (1, 2)]
