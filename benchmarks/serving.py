@@ -249,6 +249,19 @@ def proposer_state(server: VllmServer, spec: Server) -> dict | None:
         return None
 
 
+def save_steps(server: VllmServer, spec: Server, before: dict | None, path: Path) -> None:
+    """The run's steps as a self-admg server's controller timed them (prompt tokens, logit rows,
+    sampled rows, draft tokens, seconds), to check its step-cost fit against."""
+    import httpx
+
+    if before is None:
+        return
+    try:
+        path.write_text(json.dumps(server.rpc("self_admg_steps")[0]))
+    except (httpx.HTTPError, KeyError, IndexError):
+        pass
+
+
 def spent(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
@@ -290,6 +303,7 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
             before = proposer_state(server, spec)
             result = bench(command, out / "bench.log", run_timeout(point, len(prompts), args.run_timeout))
             run = Run(round_, spec, workload, point, result, proposer=spent(before, proposer_state(server, spec)))
+            save_steps(server, spec, before, out / "raw" / f"{slug}-steps.json")
         except (subprocess.SubprocessError, OSError, ValueError) as error:
             run = Run(round_, spec, workload, point, {}, error=f"{type(error).__name__}: {error}"[:300])
         if server.process.poll() is not None:

@@ -73,6 +73,10 @@ class SelfAdmgWorkerExtension:
         """Counters and the requests that currently hold a skip mask (one dict per worker)."""
         return proposer_report(self, measurements=False)
 
+    def self_admg_steps(self) -> list[list[float]]:
+        """The last steps as the controller saw them (ProposerCounters.steps), oldest first."""
+        return proposer_report(self).get("steps", [])
+
 
 def spec_decode_counters(llm) -> dict[str, float]:
     """vLLM's own spec-decode counters of an `LLM` built with disable_log_stats=False:
