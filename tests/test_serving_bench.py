@@ -1,11 +1,13 @@
 """The serving benchmark's own logic (benchmarks/serving.py): load points, prompt slices, the
-`vllm bench serve` command, and the ratios in its table. No server is started here."""
+`vllm bench serve` command, the ratios in its table, and the replay of a server's timed steps
+(benchmarks/diagnostics/step_fit.py). No server is started here."""
 
 import json
 import math
 import subprocess
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from benchmarks import serving
@@ -157,3 +159,24 @@ def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
     runs[1].proposer, runs[2].proposer = serving.spent(before, after), None
     rows = {r["server"]: r for r in serving.summarize(runs)}
     assert rows["self-admg"]["probe_s"] == 2.5 and rows["plain"]["probe_s"] is None
+
+
+def test_the_step_fit_replay_predicts_linear_steps_and_reports_each_kind(tmp_path, capsys):
+    from benchmarks.diagnostics import step_fit
+
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(200):  # 40 ms + 2 ms a logit row + 5 ms to verify, +-2%; a prefill now and then
+        rows, drafts = int(rng.integers(1, 17)), int(rng.choice([0, 0, 8, 30]))
+        prompt = int(rng.choice([0] * 9 + [300]))
+        seconds = (0.040 + 0.002 * (rows + drafts) + 0.005 * (drafts > 0) + 0.001 * prompt) * rng.uniform(0.98, 1.02)
+        steps.append([prompt, rows + drafts, 0, drafts, seconds])
+    rows, model = step_fit.replay(steps)
+    late = rows[100:]
+    assert np.all(np.abs(late[:, 5] / late[:, 4] - 1) < 0.15)
+    assert model.target().t_row == pytest.approx(0.002, rel=0.2)
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(steps))
+    step_fit.main([str(path)])
+    printed = capsys.readouterr().out
+    assert all(label in printed for label, *_ in step_fit.KINDS) and "final fit, ms: t0" in printed

@@ -1,0 +1,61 @@
+"""Does the controller's step-cost fit hold under open-loop load? Replays a server's timed steps.
+
+`benchmarks.serving` saves, for each self-admg run, the steps as the server's controller timed
+them (raw/*-steps.json: prompt tokens, logit rows, sampled rows, draft tokens, seconds). This
+feeds them, in order, to a fresh StepCostModel, the one the controller uses, and prints what it
+predicted for each step before seeing it against what the step took, by kind of step, then the
+fit it ended with. No engine runs.
+
+    .venv/bin/python -m benchmarks.diagnostics.step_fit benchmarks/results/serving-.../raw/r0-self-admg-chat-max-steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+import numpy as np
+
+from vllm_selfspec.control.step_costs import StepCostModel
+
+# (label, prompt tokens in the step?, fewest draft tokens, most draft tokens)
+KINDS = (("with prompt tokens", True, 0, 10**9), ("decode, no drafts", False, 0, 0),
+         ("decode, 1-24 draft tokens", False, 1, 24), ("decode, 25+ draft tokens", False, 25, 10**9))
+
+
+def replay(steps: list[list[float]]) -> tuple[np.ndarray, StepCostModel]:
+    """Rows (prompt tokens, logit rows, sampled rows, draft tokens, seconds, predicted seconds;
+    NaN before the fit is ready) and the model after the last step."""
+    model, rows = StepCostModel(), []
+    for prompt, logit_rows, sampled, drafts, seconds in steps:
+        predicted = np.nan
+        if model.ready:
+            c = model.target()
+            predicted = c.t0 + c.t_prompt * prompt + c.t_row * logit_rows + c.t_sampled * sampled + c.t_verify * (
+                drafts > 0)
+        rows.append((prompt, logit_rows, sampled, drafts, seconds, predicted))
+        model.observe_step(int(prompt), int(logit_rows), int(sampled), seconds, int(drafts))
+    return np.array(rows, dtype=float).reshape(-1, 6), model
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("steps", help="a *-steps.json that benchmarks.serving saved")
+    args = parser.parse_args(argv)
+    with open(args.steps) as f:
+        rows, model = replay(json.load(f))
+    prompt, drafts, seconds, predicted = rows[:, 0], rows[:, 3], rows[:, 4], rows[:, 5]
+    print(f"{len(rows)} steps, {seconds.sum():.1f} s; steps with prompt tokens: {(prompt > 0).sum()}, "
+          f"{seconds[prompt > 0].sum():.1f} s")
+    print("step | steps | measured ms (mean) | predicted ms (mean) | predicted / measured")
+    for label, prefill, low, high in KINDS:
+        chosen = ((prompt > 0) == prefill) & (drafts >= low) & (drafts <= high) & ~np.isnan(predicted)
+        if chosen.any():
+            measured, guessed = seconds[chosen].mean(), predicted[chosen].mean()
+            print(f"{label} | {chosen.sum()} | {measured * 1e3:.0f} | {guessed * 1e3:.0f} | {guessed / measured:.2f}")
+    print("final fit, ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in asdict(model.target()).items()))
+
+
+if __name__ == "__main__":
+    main()
