@@ -5,7 +5,10 @@
     .venv/bin/python -m benchmarks.serving --methods plain self-admg --worker-cores all default
 
 Every server is started with the same flags (only `--speculative-config` differs), one at a time,
-its CPU worker computing on every core (`--worker-cores default` adds vLLM's own binding).
+its CPU worker computing on every core (`--worker-cores default` adds vLLM's own binding). The
+plain server runs again after each method, and each method is compared with the mean of the
+plain runs beside it: this VM's speed drifts by up to half between servers minutes apart
+(`--no-plain-between`: plain once per round).
 For each workload, `vllm bench serve` first sends requests at an unlimited rate under a concurrency
 cap (on the plain server, which runs first, this measures its capacity C), then at `--load` x C
 requests/s with Poisson arrivals: from a rate at which requests rarely overlap to one beyond what
@@ -111,6 +114,7 @@ class Run:
     error: str | None = None  # why the run did not finish
     identical_to_plain: int | None = None  # requests whose text equals the plain server's
     proposer: dict | None = None  # PROPOSER_COUNTERS spent during the run (self-admg servers)
+    slot: int = 0  # the server's place in its round: a method is compared with the plain runs beside it
 
     def metric(self, key: str) -> float | None:
         return self.result.get(key)
@@ -286,7 +290,7 @@ def load_slices(server: VllmServer, workload: str, plan: Plan, args, tokenizer) 
 
 
 def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, args, tokenizer, out: Path,
-                   round_: int) -> list[Run]:
+                   round_: int, slot: int = 0) -> list[Run]:
     runs = []
     for index, prompts in enumerate(load_slices(server, workload, plan, args, tokenizer)):
         if workload in plan.points:
@@ -295,17 +299,18 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
             point = unlimited_point(args.max_concurrency)
         else:
             raise RuntimeError(f"{workload}: no rates, the first server's unlimited-rate run failed")
-        slug = f"r{round_}-{spec.name.replace(' ', '_')}-{workload}-{point.label}"
+        slug = f"r{round_}-{slot}-{spec.name.replace(' ', '_')}-{workload}-{point.label}"
         dataset = write_jsonl(out / "workloads" / f"{slug}.jsonl", prompts, args.output_tokens)
         command = bench_command(server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json",
                                 args.temperature)
         try:
             before = proposer_state(server, spec)
             result = bench(command, out / "bench.log", run_timeout(point, len(prompts), args.run_timeout))
-            run = Run(round_, spec, workload, point, result, proposer=spent(before, proposer_state(server, spec)))
+            run = Run(round_, spec, workload, point, result, proposer=spent(before, proposer_state(server, spec)),
+                      slot=slot)
             save_steps(server, spec, before, out / "raw" / f"{slug}-steps.json")
         except (subprocess.SubprocessError, OSError, ValueError) as error:
-            run = Run(round_, spec, workload, point, {}, error=f"{type(error).__name__}: {error}"[:300])
+            run = Run(round_, spec, workload, point, {}, error=f"{type(error).__name__}: {error}"[:300], slot=slot)
         if server.process.poll() is not None:
             run.error = f"the server exited with {server.process.returncode}"
         runs.append(run)
@@ -318,17 +323,17 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
     return runs
 
 
-def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int) -> list[Run]:
+def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int, slot: int = 0) -> list[Run]:
     """Every workload's load points on one fresh server, after an unmeasured warm-up."""
     common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
               str(args.kv_cache_gb << 30), "--served-model-name", args.model_path, "--seed", "0"]
-    log = out / f"server-r{round_}-{spec.name.replace(' ', '_')}.log"
+    log = out / f"server-r{round_}-{slot}-{spec.name.replace(' ', '_')}.log"
     print(f"round {round_}: {spec.name}", flush=True)
     runs: list[Run] = []
     with VllmServer(args.model_path, *spec.args(common), log_path=log, env=spec.env(args.every_core)) as server:
         asyncio.run(complete_all(server, warmup_prompts(), 16, WARMUP_REQUESTS))
         for workload in args.workloads:
-            runs += serve_workload(server, spec, workload, plan, args, tokenizer, out, round_)
+            runs += serve_workload(server, spec, workload, plan, args, tokenizer, out, round_, slot)
             if server.process.poll() is not None:
                 break
     return runs
@@ -336,16 +341,27 @@ def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int
 
 # ---- summary --------------------------------------------------------------------------------
 
-def plain_runs(runs: list[Run]) -> dict[tuple, Run]:
+def plain_runs(runs: list[Run]) -> dict[tuple, list[Run]]:
     """The plain servers' runs, by the key other runs name as their baseline (Run.baseline_key)."""
-    return {r.baseline_key()[:3] + (r.server.default_cores,): r for r in runs if r.server.method == "plain"}
+    plain: dict[tuple, list[Run]] = {}
+    for r in runs:
+        if r.server.method == "plain":
+            plain.setdefault(r.baseline_key()[:3] + (r.server.default_cores,), []).append(r)
+    return plain
+
+
+def baselines(run: Run, plain: dict[tuple, list[Run]]) -> list[Run]:
+    """The plain runs `run` is compared with: of those it names (Run.baseline_key), the ones
+    beside it in its round if any (this VM's speed drifts between servers minutes apart), else all."""
+    named = [base for base in plain.get(run.baseline_key(), []) if base is not run]
+    return [base for base in named if abs(base.slot - run.slot) == 1] or named
 
 
 def mark_identical(runs: list[Run]) -> None:
     """Count each run's requests whose generated text equals its baseline's (both served)."""
     plain = plain_runs(runs)
     for run in runs:
-        base = plain.get(run.baseline_key())
+        base = next(iter(baselines(run, plain)), None)
         if base is None or "generated_texts" not in run.result or "generated_texts" not in base.result:
             continue
         served = lambda r: [not e for e in r.result.get("errors") or [""] * len(r.result["generated_texts"])]  # noqa: E731
@@ -361,11 +377,12 @@ RATIOS = {  # name: (metric, True for the run's value over plain's, False for pl
 }
 
 
-def ratio(run: Run, base: Run, metric: str, run_over_base: bool) -> float | None:
-    a, b = run.metric(metric), base.metric(metric)
-    if not a or not b:
+def ratio(run: Run, bases: list[Run], metric: str, run_over_base: bool) -> float | None:
+    """The run's metric against the mean of its baselines'."""
+    a, b = run.metric(metric), [base.metric(metric) for base in bases]
+    if not a or not b or not all(b):
         return None
-    return a / b if run_over_base else b / a
+    return a / statistics.mean(b) if run_over_base else statistics.mean(b) / a
 
 
 def summarize(runs: list[Run]) -> list[dict]:
@@ -390,9 +407,10 @@ def summarize(runs: list[Run]) -> list[dict]:
             values = [r.proposer[key] for r in group if r.proposer]
             row[name] = round(statistics.median(values), 2) if values else None
         is_base = group[0].server.method == "plain" and not group[0].server.default_cores
-        pairs = [(r, base) for r in group if (base := plain.get(r.baseline_key())) and r.clean and base.clean]
+        pairs = [(r, bases) for r in group if (bases := baselines(r, plain)) and r.clean
+                 and all(base.clean for base in bases)]
         for name, (metric, run_over_base) in RATIOS.items():
-            values = [v for r, base in pairs if (v := ratio(r, base, metric, run_over_base)) is not None]
+            values = [v for r, bases in pairs if (v := ratio(r, bases, metric, run_over_base)) is not None]
             row[name] = (f"{min(values):.2f}" if len(values) == 1 else f"{min(values):.2f}-{max(values):.2f}"
                          ) if values and not is_base else ""
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
@@ -444,6 +462,22 @@ def plot(rows: list[dict], workloads: list[str], out: Path) -> None:
 
 # ---- command line ---------------------------------------------------------------------------
 
+def round_order(specs: list[Server], round_: int, plain_between: bool) -> list[Server]:
+    """The servers of one round: plain first, the methods in reverse order every other round, and
+    with `plain_between` the plain server on the same cores again after each method, so every
+    method has plain runs beside it in time."""
+    plain = [s for s in specs if s.method == "plain"]
+    methods = [s for s in specs if s.method != "plain"]
+    methods = methods if round_ % 2 == 0 else methods[::-1]
+    if not plain_between:
+        return [*plain, *methods]
+    order = [s for s in plain if not any(m.default_cores == s.default_cores for m in methods)]
+    for method in methods:
+        beside = next(s for s in plain if s.default_cores == method.default_cores)
+        order += [beside, method, beside] if not order or order[-1] != beside else [method, beside]
+    return order
+
+
 def servers(args) -> list[Server]:
     from benchmarks.run import method_configs
 
@@ -469,6 +503,9 @@ def parse_args(argv=None):
     parser.add_argument("--output-tokens", type=int, help="max_tokens of every request; default: by --mode")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="every server again, in reverse order each round")
+    parser.add_argument("--plain-between", action=argparse.BooleanOptionalAction, default=True,
+                        help="the plain server again after each method, and each method compared with the plain "
+                             "runs beside it: this VM's speed drifts between servers minutes apart")
     parser.add_argument("--worker-cores", nargs="+", choices=["all", "default"], default=["all"],
                         help="all: the CPU worker computes on every core (or on VLLM_CPU_OMP_THREADS_BIND "
                              "if set); default: vLLM's binding, which keeps a core for the engine process")
@@ -517,9 +554,9 @@ def main(argv=None) -> Path:
         slices(first_prompts(workload, tokenizer), point_sizes(args), workload)
     plan, runs, specs = Plan(), [], servers(args)
     for round_ in range(args.rounds):
-        for spec in (specs if round_ % 2 == 0 else [specs[0], *reversed(specs[1:])]):
+        for slot, spec in enumerate(round_order(specs, round_, args.plain_between)):
             try:
-                runs += run_server(spec, plan, args, tokenizer, out, round_)
+                runs += run_server(spec, plan, args, tokenizer, out, round_, slot)
             except Exception as error:  # a server that fails to start or serve; the others still run
                 print(f"round {round_}: {spec.name} failed: {type(error).__name__}: {error}"[:2000], flush=True)
             if runs:

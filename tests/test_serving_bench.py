@@ -180,3 +180,28 @@ def test_the_step_fit_replay_predicts_linear_steps_and_reports_each_kind(tmp_pat
     step_fit.main([str(path)])
     printed = capsys.readouterr().out
     assert all(label in printed for label, *_ in step_fit.KINDS) and "final fit, ms: t0" in printed
+
+
+def test_with_plain_between_every_method_has_plain_beside_it_and_rounds_reverse():
+    plain, a, b = Server("plain", None), Server("a", {"method": "a"}), Server("b", {"method": "b"})
+    names = lambda order: [s.name for s in order]  # noqa: E731
+    assert names(serving.round_order([plain, a, b], 0, False)) == ["plain", "a", "b"]
+    assert names(serving.round_order([plain, a, b], 1, False)) == ["plain", "b", "a"]
+    assert names(serving.round_order([plain, a, b], 0, True)) == ["plain", "a", "plain", "b", "plain"]
+    assert names(serving.round_order([plain, a, b], 1, True)) == ["plain", "b", "plain", "a", "plain"]
+    slow_plain, slow_a = Server("plain", None, True), Server("a", {"method": "a"}, True)
+    assert names(serving.round_order([plain, a, slow_plain, slow_a], 0, True)) == [
+        "plain", "a", "plain", "plain (default cores)", "a (default cores)", "plain (default cores)"]
+    assert names(serving.round_order([plain], 0, True)) == ["plain"]
+
+
+def test_a_method_is_compared_with_the_mean_of_the_plain_runs_beside_it():
+    point = LoadPoint("max", math.inf, 4)
+    runs = [run("plain", point, output_throughput=100), run("a", point, output_throughput=120),
+            run("plain", point, output_throughput=140), run("b", point, output_throughput=70),
+            run("plain", point, output_throughput=60)]
+    for slot, r in enumerate(runs):
+        r.slot = slot
+    rows = {r["server"]: r["throughput_x"] for r in serving.summarize(runs)}
+    assert rows == {"plain": "", "a": "1.00", "b": "0.70"}  # 120 / mean(100, 140); 70 / mean(140, 60)
+    assert serving.parse_args([]).plain_between and not serving.parse_args(["--no-plain-between"]).plain_between
