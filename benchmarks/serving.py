@@ -35,6 +35,7 @@ import itertools
 import datetime as dt
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -266,6 +267,45 @@ def save_steps(server: VllmServer, spec: Server, before: dict | None, path: Path
         pass
 
 
+def save_run_notes(run: Run, raw: Path, slug: str) -> None:
+    """What `vllm bench serve`'s own JSON does not hold, beside it, so that a folder can be
+    summarized again (`--summarize`): why a run failed (then there is no JSON of its own) and
+    what a self-admg server's proposer spent."""
+    if run.error:
+        (raw / f"{slug}-error.txt").write_text(run.error)
+    if run.proposer is not None:
+        (raw / f"{slug}-proposer.json").write_text(json.dumps(run.proposer))
+
+
+# r<round>-<slot>-<server>-<workload>-<load>.json (folders written before servers had slots: no slot)
+RAW_NAME = re.compile(rf"r(\d+)-(?:(\d+)-)?(.+)-({'|'.join(WORKLOADS)})-(max|[\d.]+C)$")
+
+
+def runs_from_folder(out: Path) -> list[Run]:
+    """The runs a results folder holds, from raw/: each with its result, error and proposer's
+    counters. A run that saved no result takes its rate from the runs of its load point."""
+    from benchmarks.run import method_configs
+
+    raw, configs = out / "raw", method_configs(None)
+    names = sorted({p.name.removesuffix(".json").removesuffix("-error.txt") for p in raw.iterdir()})
+    found = [(name, match.groups()) for name in names if (match := RAW_NAME.fullmatch(name))]
+    read = lambda path, parse: parse(path.read_text()) if path.exists() else None  # noqa: E731
+    results = {name: read(raw / f"{name}.json", json.loads) or {} for name, _ in found}
+    rates = {(workload, label): result["request_rate"] for (name, (*_, workload, label)) in found
+             if "request_rate" in (result := results[name])}
+    runs = []
+    for name, (round_, slot, server, workload, label) in found:
+        method, default_cores = server.removesuffix("_(default_cores)"), server.endswith("_(default_cores)")
+        rate = rates.get((workload, label), math.nan)
+        point = LoadPoint(label, math.inf if rate == "inf" else float(rate), results[name].get("max_concurrency"))
+        runs.append(Run(int(round_), Server(method, configs.get(method), default_cores), workload, point,
+                        results[name], error=read(raw / f"{name}-error.txt", str),
+                        proposer=read(raw / f"{name}-proposer.json", json.loads), slot=int(slot or 0)))
+    # In the order they ran: round, server, workload, then the unlimited rate before the others.
+    return sorted(runs, key=lambda r: (r.round, r.slot, WORKLOADS.index(r.workload), -math.isinf(r.point.rate),
+                                       r.point.rate))
+
+
 def spent(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
@@ -313,6 +353,7 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
             run = Run(round_, spec, workload, point, {}, error=f"{type(error).__name__}: {error}"[:300], slot=slot)
         if server.process.poll() is not None:
             run.error = f"the server exited with {server.process.returncode}"
+        save_run_notes(run, out / "raw", slug)
         runs.append(run)
         print(f"  {slug}: " + (run.error or f"{run.metric('completed')} done, {run.metric('failed')} failed, "
               f"{run.metric('output_throughput'):.1f} tok/s, TPOT {run.metric('mean_tpot_ms') or 0:.0f} ms"), flush=True)
@@ -387,7 +428,8 @@ def ratio(run: Run, bases: list[Run], metric: str, run_over_base: bool) -> float
 
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (workload, load point, server): medians over rounds; ratio ranges over the
-    rounds whose runs, and their baseline's, served every request."""
+    rounds whose runs, and their baseline's, served every request. Plain's own row, where its
+    round ran it more than once, has each plain run against the others: the noise floor."""
     plain = plain_runs(runs)
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
@@ -406,16 +448,15 @@ def summarize(runs: list[Run]) -> list[dict]:
         for key, name in PROPOSER_COLUMNS.items():
             values = [r.proposer[key] for r in group if r.proposer]
             row[name] = round(statistics.median(values), 2) if values else None
-        is_base = group[0].server.method == "plain" and not group[0].server.default_cores
         pairs = [(r, bases) for r in group if (bases := baselines(r, plain)) and r.clean
                  and all(base.clean for base in bases)]
         for name, (metric, run_over_base) in RATIOS.items():
             values = [v for r, bases in pairs if (v := ratio(r, bases, metric, run_over_base)) is not None]
             row[name] = (f"{min(values):.2f}" if len(values) == 1 else f"{min(values):.2f}-{max(values):.2f}"
-                         ) if values and not is_base else ""
+                         ) if values else ""
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
         row["identical_to_plain"] = f"{sum(identical)}/{sum(r.metric('completed') or 0 for r in group)}" \
-            if identical and not is_base else ""
+            if identical else ""
         rows.append(row)
     return rows
 
@@ -514,6 +555,8 @@ def parse_args(argv=None):
     parser.add_argument("--kv-cache-gb", type=int, default=2)
     parser.add_argument("--run-timeout", type=float, default=3600, help="seconds per `vllm bench serve` run")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/serving-<mode>-<date>")
+    parser.add_argument("--summarize", type=Path, metavar="FOLDER",
+                        help="start no server: write FOLDER's table, CSV and plots again from what it saved")
     args = parser.parse_args(argv)
     model, draft, per_point, tokens = MODES[args.mode]
     args.prompts_per_point = args.prompts_per_point or per_point
@@ -538,6 +581,9 @@ def main(argv=None) -> Path:
     from benchmarks.run import environment
 
     args = parse_args(argv)
+    if args.summarize:
+        summarize_folder(args.summarize)
+        return args.summarize
     args.dtype, args.dtype_reason = choose_dtype(args.dtype)
     cores = bind_worker_cores()
     args.every_core = cores.binding
@@ -553,6 +599,7 @@ def main(argv=None) -> Path:
     for workload in args.workloads:  # before hours of serving, not after
         slices(first_prompts(workload, tokenizer), point_sizes(args), workload)
     plan, runs, specs = Plan(), [], servers(args)
+    command = "python -m benchmarks.serving " + " ".join(sys.argv[1:])
     for round_ in range(args.rounds):
         for slot, spec in enumerate(round_order(specs, round_, args.plain_between)):
             try:
@@ -560,12 +607,20 @@ def main(argv=None) -> Path:
             except Exception as error:  # a server that fails to start or serve; the others still run
                 print(f"round {round_}: {spec.name} failed: {type(error).__name__}: {error}"[:2000], flush=True)
             if runs:
-                write_summary(runs, args, out)
+                write_summary(runs, args, out, command)
     print((out / "table.md").read_text() + f"\nresults in {out}")
     return out
 
 
-def write_summary(runs: list[Run], args, out: Path) -> None:
+def summarize_folder(out: Path) -> None:
+    """Write a results folder's table, CSV and plots again from what it saved."""
+    environment = json.loads((out / "environment.json").read_text())
+    args = argparse.Namespace(**{"cpus": environment["cpus"], **environment["settings"]})
+    write_summary(runs_from_folder(out), args, out, "python -m benchmarks.serving " + " ".join(environment["argv"][1:]))
+    print((out / "table.md").read_text())
+
+
+def write_summary(runs: list[Run], args, out: Path, command: str) -> None:
     mark_identical(runs)
     rows = summarize(runs)
     header = (f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
@@ -574,8 +629,10 @@ def write_summary(runs: list[Run], args, out: Path) -> None:
               f"with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
               f"{dt.datetime.now().isoformat(timespec='minutes')}.\n"
               f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
-              f"(below 1 is better). Below capacity the output throughput follows the arrival rate (the "
-              f"last request is sent at prompts / rate): there TPOT and TTFT tell methods apart.\nCommand: `python -m benchmarks.serving {' '.join(sys.argv[1:])}`\n\n")
+              f"(below 1 is better); plain's own ratios, where it ran more than once a round, are each plain run "
+              f"against its others: the noise. Below capacity the output throughput follows the arrival rate (the "
+              f"last request is sent at prompts / rate): there TPOT and TTFT tell methods apart.\n"
+              f"Command: `{command}`\n\n")
     (out / "table.md").write_text(header + markdown_table(rows) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

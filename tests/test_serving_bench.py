@@ -203,5 +203,35 @@ def test_a_method_is_compared_with_the_mean_of_the_plain_runs_beside_it():
     for slot, r in enumerate(runs):
         r.slot = slot
     rows = {r["server"]: r["throughput_x"] for r in serving.summarize(runs)}
-    assert rows == {"plain": "", "a": "1.00", "b": "0.70"}  # 120 / mean(100, 140); 70 / mean(140, 60)
+    assert rows["a"] == "1.00" and rows["b"] == "0.70"  # 120 / mean(100, 140); 70 / mean(140, 60)
+    # Plain against its own other runs is the noise: 60 / mean(100, 140) to 140 / mean(100, 60).
+    assert rows["plain"] == "0.50-1.75"
     assert serving.parse_args([]).plain_between and not serving.parse_args(["--no-plain-between"]).plain_between
+
+
+def test_a_results_folder_can_be_summarized_again_from_what_it_saved(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    saved = {"request_rate": 0.5, "max_concurrency": None, "completed": 2, "failed": 0, "output_throughput": 10.0}
+    (raw / "r0-0-plain-chat-0.3C.json").write_text(json.dumps(saved))
+    (raw / "r0-0-plain-chat-max.json").write_text(json.dumps({**saved, "request_rate": "inf", "max_concurrency": 4}))
+    (raw / "r0-1-self-admg_(default_cores)-chat-0.3C.json").write_text(json.dumps(saved))
+    (raw / "r0-1-self-admg_(default_cores)-chat-0.3C-proposer.json").write_text(json.dumps({"probe_seconds": 1.5}))
+    (raw / "r0-1-self-admg_(default_cores)-chat-0.3C-steps.json").write_text("[]")
+    (raw / "r1-2-suffix-chat-0.3C-error.txt").write_text("TimeoutExpired: too slow")
+    (raw / "r1-multiturn-note.txt").write_text("not a run")
+    runs = {(r.round, r.slot, r.server.name, r.point.label): r for r in serving.runs_from_folder(tmp_path)}
+    assert set(runs) == {(0, 0, "plain", "0.3C"), (0, 0, "plain", "max"), (0, 1, "self-admg (default cores)", "0.3C"),
+                         (1, 2, "suffix", "0.3C")}
+    admg = runs[0, 1, "self-admg (default cores)", "0.3C"]
+    assert admg.server.reports_proposer and admg.server.default_cores and admg.proposer == {"probe_seconds": 1.5}
+    assert admg.workload == "chat" and admg.point.rate == 0.5 and admg.clean
+    assert runs[0, 0, "plain", "max"].point == LoadPoint("max", math.inf, 4)
+    failed = runs[1, 2, "suffix", "0.3C"]  # no result of its own: its load point's rate, its error
+    assert failed.error == "TimeoutExpired: too slow" and failed.point.rate == 0.5 and not failed.clean
+    # What a run saves beside vLLM's JSON is what the folder is read back from.
+    again = Run(0, Server("self-admg", {"method": "self-admg"}), "chat", LoadPoint("0.3C", 0.5), {},
+                error="server exited", proposer={"probe_seconds": 2.0})
+    serving.save_run_notes(again, raw, "r2-0-self-admg-chat-0.3C")
+    back = next(r for r in serving.runs_from_folder(tmp_path) if r.round == 2)
+    assert (back.error, back.proposer, back.server.method) == ("server exited", {"probe_seconds": 2.0}, "self-admg")
