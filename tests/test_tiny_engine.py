@@ -191,6 +191,18 @@ def test_aborted_and_finished_requests_leave_no_state(admg_mixed, tiny_prompt_id
     assert live == []
 
 
+def test_a_wait_for_requests_is_not_charged_to_the_next_step(admg_mixed, tiny_prompt_ids):
+    """Between requests the engine idles. The step that ends the wait must not be timed from
+    the step before it, or a server's step-cost fit charges every wait to the next prompt's
+    tokens (and, through them, to verification), and stops drafting."""
+    wait = 1.5
+    generate(admg_mixed, tiny_prompt_ids[:1])
+    time.sleep(wait)
+    generate(admg_mixed, tiny_prompt_ids[1:2])
+    seconds = [step[-1] for step in proposer_report(admg_mixed)["steps"]]
+    assert seconds and max(seconds) < wait / 2, max(seconds)  # a tiny model's step takes milliseconds
+
+
 def test_compiled_target_engine(tiny_model_path, tiny_prompt_ids, plain_ids):
     """vLLM's default (compiled) engine: the target runs its compiled graph, the draft runs the
     same modules eagerly beside it. Skipping nothing, every draft must be accepted."""

@@ -117,12 +117,14 @@ class SelfAdmgProposer:
 
     def _learn(self, step: StepView) -> None:
         """Feed the controller the step that just ran: its time against what it computed, and
-        what verification made of the drafts proposed for it."""
+        what verification made of the drafts proposed for it. A step that found the engine idle
+        is not timed: its time since the last step includes the wait for requests, which under
+        open-loop arrivals precedes most prompts and would be charged to their tokens."""
         now = time.perf_counter()
         self._tenants.update(step.new_request_tenants())
         self._steps_since_admission = 0 if step.admitted_requests else self._steps_since_admission + 1
         shape = step.shape()
-        if self._step_end is not None and shape is not None:
+        if self._step_end is not None and shape is not None and step.engine_was_busy:
             seconds = now - self._step_end
             self.controller.observe_step(shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, seconds,
                                          shape.draft_tokens)

@@ -39,8 +39,9 @@ class LinearCost:
 
     def observe(self, features, seconds: float) -> None:
         x = np.asarray(features, dtype=np.float64)
-        # A lone outlier is an idle gap between requests, not a step; a run of them means the
-        # costs changed (say, a much bigger batch) and the fit must follow.
+        # A lone outlier is a step held up by something else (another process on the cores),
+        # not its cost; a run of them means the costs changed (say, a much bigger batch) and
+        # the fit must follow. (The proposer does not time steps that found the engine idle.)
         if self.ready and seconds > 4 * self.predict(x):
             self.outliers_in_a_row += 1
             if self.outliers_in_a_row < 3:

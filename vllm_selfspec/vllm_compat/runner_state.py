@@ -49,6 +49,14 @@ class StepView:
         out = self.scheduler_output
         return bool(out.scheduled_new_reqs or out.scheduled_cached_reqs.resumed_req_ids)
 
+    @property
+    def engine_was_busy(self) -> bool:
+        """Whether a request ran on from an earlier step. If none did, the engine may have
+        waited for requests before this step (a server between arrivals), and a wait is no part
+        of what the step cost."""
+        cached = self.scheduler_output.scheduled_cached_reqs
+        return any(req_id not in cached.resumed_req_ids for req_id in cached.req_ids)
+
     def new_request_tenants(self) -> dict[str, str | None]:
         """The tenant (cache_salt) of each request scheduled for the first time this step."""
         from vllm_selfspec.vllm_compat.request_tenant import tenant_of
