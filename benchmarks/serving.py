@@ -59,8 +59,15 @@ SATURATION_PROMPTS_PER_SLOT = 2
 PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
 PROPOSER_COUNTERS = ("prompts_measured", "probe_seconds", "draft_steps", "draft_tokens", "draft_seconds",
-                     "lookup_tokens", "faults")
-PROPOSER_COLUMNS = {"probe_seconds": "probe_s", "draft_seconds": "self_draft_s", "draft_tokens": "self_draft_tokens"}
+                     "lookup_tokens", "faults", "propose_calls", "propose_seconds")
+PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
+    "probe_s": lambda p: p["probe_seconds"],
+    "self_draft_s": lambda p: p["draft_seconds"],
+    "self_draft_tokens": lambda p: p["draft_tokens"],
+    # The proposer's own time per step (lookup, planning, probes and self-drafts), which every
+    # step waits for.
+    "propose_ms_per_step": lambda p: 1000 * p["propose_seconds"] / p["propose_calls"] if p["propose_calls"] else None,
+}
 
 
 @dataclass(frozen=True)
@@ -426,6 +433,14 @@ def ratio(run: Run, bases: list[Run], metric: str, run_over_base: bool) -> float
     return a / statistics.mean(b) if run_over_base else statistics.mean(b) / a
 
 
+def optional(read, counters: dict):
+    """A column of a run's proposer counters; None where the run's server did not count it."""
+    try:
+        return read(counters)
+    except KeyError:
+        return None
+
+
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (workload, load point, server): medians over rounds; ratio ranges over the
     rounds whose runs, and their baseline's, served every request. Plain's own row, where its
@@ -445,8 +460,8 @@ def summarize(runs: list[Run]) -> list[dict]:
                     "median_ttft_ms", "p99_ttft_ms", "spec_decode_acceptance_length"):
             values = [r.metric(key) for r in group if r.metric(key) is not None]
             row[key] = round(statistics.median(values), 2) if values else None
-        for key, name in PROPOSER_COLUMNS.items():
-            values = [r.proposer[key] for r in group if r.proposer]
+        for name, read in PROPOSER_COLUMNS.items():
+            values = [v for r in group if r.proposer and (v := optional(read, r.proposer)) is not None]
             row[name] = round(statistics.median(values), 2) if values else None
         pairs = [(r, bases) for r in group if (bases := baselines(r, plain)) and r.clean
                  and all(base.clean for base in bases)]
@@ -477,7 +492,7 @@ def plot(rows: list[dict], workloads: list[str], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     def x_of(row, finite_max):
-        return finite_max * 1.3 if row["rate_req_s"] == "inf" else row["rate_req_s"]
+        return finite_max * 2 if row["rate_req_s"] == "inf" else row["rate_req_s"]
 
     for name, series in (("throughput", [("output_throughput", "-")]),
                          ("tpot", [("mean_tpot_ms", "-"), ("p99_tpot_ms", ":")])):
@@ -493,7 +508,10 @@ def plot(rows: list[dict], workloads: list[str], out: Path) -> None:
                             label=server if style == "-" else None)
             ax.set_title(workload)
             ax.set_xscale("log")
-            ax.set_xlabel("request rate (req/s); rightmost: unlimited, capped")
+            ticks = {x_of(r, max(finite)): r["load"] for r in mine}  # each load point by its name
+            ax.set_xticks(list(ticks), list(ticks.values()))
+            ax.minorticks_off()
+            ax.set_xlabel("requests/s, as a share of plain's capacity C\n(max: unlimited, capped)")
         axes[0][0].set_ylabel("output tokens/s" if name == "throughput" else "TPOT ms (solid mean, dotted p99)")
         axes[0][-1].legend(fontsize=7)
         fig.tight_layout()
@@ -616,18 +634,19 @@ def summarize_folder(out: Path) -> None:
     """Write a results folder's table, CSV and plots again from what it saved."""
     environment = json.loads((out / "environment.json").read_text())
     args = argparse.Namespace(**{"cpus": environment["cpus"], **environment["settings"]})
-    write_summary(runs_from_folder(out), args, out, "python -m benchmarks.serving " + " ".join(environment["argv"][1:]))
+    write_summary(runs_from_folder(out), args, out, "python -m benchmarks.serving " + " ".join(environment["argv"][1:]),
+                  environment["date"])
     print((out / "table.md").read_text())
 
 
-def write_summary(runs: list[Run], args, out: Path, command: str) -> None:
+def write_summary(runs: list[Run], args, out: Path, command: str, started: str | None = None) -> None:
     mark_identical(runs)
     rows = summarize(runs)
     header = (f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
               f"prompts per load point ({point_sizes(args)[0]} at the unlimited rate), {args.output_tokens} output tokens, temperature {args.temperature:g}, "
               f"loads {', '.join(f'{f:g}C' for f in args.load)} of the plain server's capacity C and unlimited "
               f"with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
-              f"{dt.datetime.now().isoformat(timespec='minutes')}.\n"
+              f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"
               f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
               f"(below 1 is better); plain's own ratios, where it ran more than once a round, are each plain run "
               f"against its others: the noise. Below capacity the output throughput follows the arrival rate (the "

@@ -118,8 +118,9 @@ def test_the_unlimited_run_is_timed_out_by_the_floor_and_slow_rates_get_their_ar
 
 
 def test_plots_are_written_with_the_unlimited_rate_at_the_right(tmp_path):
-    rows = [{"workload": "code", "server": s, "rate_req_s": r, "output_throughput": t, "mean_tpot_ms": 10,
-             "p99_tpot_ms": 20} for s in ("plain", "x") for r, t in ((0.1, 5), (0.1, 5), ("inf", 50))]
+    rows = [{"workload": "code", "server": s, "load": load, "rate_req_s": r, "output_throughput": t,
+             "mean_tpot_ms": 10, "p99_tpot_ms": 20}
+            for s in ("plain", "x") for load, r, t in (("0.1C", 0.1, 5), ("0.3C", 0.3, 5), ("max", "inf", 50))]
     serving.plot(rows, ["code"], tmp_path)
     assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "tpot.png").stat().st_size > 0
 
@@ -150,15 +151,21 @@ def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
     assert admg.env("0-1")["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_SERVER_DEV_MODE" not in ngram.env("0-1")
     assert serving.proposer_state(object(), ngram) is None
     before = dict.fromkeys(serving.PROPOSER_COUNTERS, 0) | {"probe_seconds": 1.0, "draft_tokens": 10}
-    after = before | {"probe_seconds": 3.5, "draft_tokens": 40, "draft_seconds": 0.25}
+    after = before | {"probe_seconds": 3.5, "draft_tokens": 40, "draft_seconds": 0.25, "propose_calls": 200,
+                      "propose_seconds": 0.5}
     assert serving.spent(before, after) == dict.fromkeys(serving.PROPOSER_COUNTERS, 0) | {
-        "probe_seconds": 2.5, "draft_tokens": 30, "draft_seconds": 0.25}
+        "probe_seconds": 2.5, "draft_tokens": 30, "draft_seconds": 0.25, "propose_calls": 200, "propose_seconds": 0.5}
     assert serving.spent(None, after) is None
     point = LoadPoint("max", math.inf, 4)
     runs = [run("plain", point), run("self-admg", point), run("self-admg", point, round_=1)]
     runs[1].proposer, runs[2].proposer = serving.spent(before, after), None
     rows = {r["server"]: r for r in serving.summarize(runs)}
     assert rows["self-admg"]["probe_s"] == 2.5 and rows["plain"]["probe_s"] is None
+    assert rows["self-admg"]["propose_ms_per_step"] == 2.5  # 0.5 s over 200 steps
+    # A folder from before the proposer counted its own time reads as not counted.
+    runs[1].proposer = {"probe_seconds": 1.0, "draft_seconds": 0.0, "draft_tokens": 0}
+    rows = {r["server"]: r for r in serving.summarize(runs)}
+    assert rows["self-admg"]["probe_s"] == 1.0 and rows["self-admg"]["propose_ms_per_step"] is None
 
 
 def test_the_step_fit_replay_predicts_linear_steps_and_reports_each_kind(tmp_path, capsys):

@@ -77,10 +77,16 @@ class SelfAdmgProposer:
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
                            common_attn_metadata) -> list[list[int]]:
-        """This step's drafts; none if anything in making them fails (`fail_safe`)."""
-        return self.fail_safe.call(
-            lambda: self._step(runner, scheduler_output, sampled_token_ids, common_attn_metadata),
-            lambda: self._no_drafts(len(sampled_token_ids)))
+        """This step's drafts; none if anything in making them fails (`fail_safe`). Its time is
+        on every step's critical path, drafting or not, so it is counted."""
+        start = time.perf_counter()
+        try:
+            return self.fail_safe.call(
+                lambda: self._step(runner, scheduler_output, sampled_token_ids, common_attn_metadata),
+                lambda: self._no_drafts(len(sampled_token_ids)))
+        finally:
+            self.counters.propose_calls += 1
+            self.counters.propose_seconds += time.perf_counter() - start
 
     def _no_drafts(self, rows: int) -> list[list[int]]:
         self._drafted = {}

@@ -22,6 +22,8 @@ class ProposerCounters:
     draft_steps: int = 0
     draft_tokens: int = 0
     draft_seconds: float = 0.0
+    propose_calls: int = 0  # steps the proposer was asked for drafts
+    propose_seconds: float = 0.0  # its own time in them, probes and self-drafts included
     lookup_tokens: int = 0  # from lookup, own context or history
     history_tokens: int = 0  # of which from earlier requests' outputs
     # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
