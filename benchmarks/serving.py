@@ -61,13 +61,17 @@ PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 PROPOSER_COUNTERS = ("prompts_measured", "probe_seconds", "draft_steps", "draft_tokens", "draft_seconds",
                      "lookup_tokens", "faults", "propose_calls", "propose_seconds")
 PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
-    "probe_s": lambda p: p["probe_seconds"],
-    "self_draft_s": lambda p: p["draft_seconds"],
-    "self_draft_tokens": lambda p: p["draft_tokens"],
+    # (None where the run's server did not count it: folders from before a counter existed.)
+    "probe_s": lambda p: p.get("probe_seconds"),
+    "self_draft_s": lambda p: p.get("draft_seconds"),
+    "self_draft_tokens": lambda p: p.get("draft_tokens"),
     # The proposer's own time per step (lookup, planning, probes and self-drafts), which every
     # step waits for.
-    "propose_ms_per_step": lambda p: 1000 * p["propose_seconds"] / p["propose_calls"] if p["propose_calls"] else None,
+    "propose_ms_per_step": lambda p: 1000 * p["propose_seconds"] / p["propose_calls"] if p.get("propose_calls") else None,
 }
+
+
+DEFAULT_CORES = " (default cores)"  # a server name's mark of vLLM's own core binding
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,21 @@ class Server:
 
     @property
     def name(self) -> str:
-        return self.method + (" (default cores)" if self.default_cores else "")
+        return self.method + (DEFAULT_CORES if self.default_cores else "")
+
+    @property
+    def slug(self) -> str:
+        """The name in file names (no spaces)."""
+        return self.name.replace(" ", "_")
+
+    @staticmethod
+    def from_slug(slug: str) -> Server:
+        """The set-up a file name names (its speculative config: the method's)."""
+        from benchmarks.run import method_configs
+
+        suffix = DEFAULT_CORES.replace(" ", "_")
+        method = slug.removesuffix(suffix)
+        return Server(method, method_configs(None).get(method), slug.endswith(suffix))
 
     @property
     def reports_proposer(self) -> bool:
@@ -291,9 +309,7 @@ RAW_NAME = re.compile(rf"r(\d+)-(?:(\d+)-)?(.+)-({'|'.join(WORKLOADS)})-(max|[\d
 def runs_from_folder(out: Path) -> list[Run]:
     """The runs a results folder holds, from raw/: each with its result, error and proposer's
     counters. A run that saved no result takes its rate from the runs of its load point."""
-    from benchmarks.run import method_configs
-
-    raw, configs = out / "raw", method_configs(None)
+    raw = out / "raw"
     names = sorted({p.name.removesuffix(".json").removesuffix("-error.txt") for p in raw.iterdir()})
     found = [(name, match.groups()) for name in names if (match := RAW_NAME.fullmatch(name))]
     read = lambda path, parse: parse(path.read_text()) if path.exists() else None  # noqa: E731
@@ -302,10 +318,9 @@ def runs_from_folder(out: Path) -> list[Run]:
              if "request_rate" in (result := results[name])}
     runs = []
     for name, (round_, slot, server, workload, label) in found:
-        method, default_cores = server.removesuffix("_(default_cores)"), server.endswith("_(default_cores)")
         rate = rates.get((workload, label), math.nan)
         point = LoadPoint(label, math.inf if rate == "inf" else float(rate), results[name].get("max_concurrency"))
-        runs.append(Run(int(round_), Server(method, configs.get(method), default_cores), workload, point,
+        runs.append(Run(int(round_), Server.from_slug(server), workload, point,
                         results[name], error=read(raw / f"{name}-error.txt", str),
                         proposer=read(raw / f"{name}-proposer.json", json.loads), slot=int(slot or 0)))
     # In the order they ran: round, server, workload, then the unlimited rate before the others.
@@ -346,7 +361,7 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
             point = unlimited_point(args.max_concurrency)
         else:
             raise RuntimeError(f"{workload}: no rates, the first server's unlimited-rate run failed")
-        slug = f"r{round_}-{slot}-{spec.name.replace(' ', '_')}-{workload}-{point.label}"
+        slug = f"r{round_}-{slot}-{spec.slug}-{workload}-{point.label}"  # read back by RAW_NAME
         dataset = write_jsonl(out / "workloads" / f"{slug}.jsonl", prompts, args.output_tokens)
         command = bench_command(server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json",
                                 args.temperature)
@@ -375,7 +390,7 @@ def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int
     """Every workload's load points on one fresh server, after an unmeasured warm-up."""
     common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
               str(args.kv_cache_gb << 30), "--served-model-name", args.model_path, "--seed", "0"]
-    log = out / f"server-r{round_}-{slot}-{spec.name.replace(' ', '_')}.log"
+    log = out / f"server-r{round_}-{slot}-{spec.slug}.log"
     print(f"round {round_}: {spec.name}", flush=True)
     runs: list[Run] = []
     with VllmServer(args.model_path, *spec.args(common), log_path=log, env=spec.env(args.every_core)) as server:
@@ -433,14 +448,6 @@ def ratio(run: Run, bases: list[Run], metric: str, run_over_base: bool) -> float
     return a / statistics.mean(b) if run_over_base else statistics.mean(b) / a
 
 
-def optional(read, counters: dict):
-    """A column of a run's proposer counters; None where the run's server did not count it."""
-    try:
-        return read(counters)
-    except KeyError:
-        return None
-
-
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (workload, load point, server): medians over rounds; ratio ranges over the
     rounds whose runs, and their baseline's, served every request. Plain's own row, where its
@@ -461,7 +468,7 @@ def summarize(runs: list[Run]) -> list[dict]:
             values = [r.metric(key) for r in group if r.metric(key) is not None]
             row[key] = round(statistics.median(values), 2) if values else None
         for name, read in PROPOSER_COLUMNS.items():
-            values = [v for r in group if r.proposer and (v := optional(read, r.proposer)) is not None]
+            values = [v for r in group if r.proposer and (v := read(r.proposer)) is not None]
             row[name] = round(statistics.median(values), 2) if values else None
         pairs = [(r, bases) for r in group if (bases := baselines(r, plain)) and r.clean
                  and all(base.clean for base in bases)]
