@@ -1,9 +1,12 @@
-"""The ADMG statistic computed independently with plain transformers (no vLLM)."""
+"""Independent computations to test against: the ADMG statistic with plain transformers (no vLLM),
+and the lookup rule in numpy."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from vllm_selfspec.lookup import NO_DRAFT, LookupDraft
 
 
 def hf_similarities(model_path, prompts_token_ids, window: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -40,3 +43,54 @@ def hf_similarities(model_path, prompts_token_ids, window: int = 0) -> list[tupl
         for hook in hooks:
             hook.remove()
     return results
+
+
+def numpy_suffix_draft(context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None,
+                 max_match: int = 24, min_prob: float = 0.1) -> LookupDraft:
+    """vllm_selfspec.lookup.suffix_draft's rule in numpy calls, written apart from the compiled one:
+    the same drafts, probabilities and match length, for the equivalence test."""
+    n = len(context)
+    own = corpus is None
+    corpus = context if own else corpus
+    end = n if own else len(corpus)  # continuations stop here
+    limit = n - 1 if own else len(corpus) - 1  # an occurrence needs a token after it
+    if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
+        return NO_DRAFT
+    ends = np.flatnonzero(corpus[:limit] == context[-1])
+    if not len(ends):
+        return NO_DRAFT
+    # lengths[i]: how many of the context's last tokens match the corpus, ending at ends[i].
+    lengths = np.ones(len(ends), dtype=np.int64)
+    alive = np.arange(len(ends))
+    for k in range(1, min(max_match, n)):
+        pos = ends[alive] - k
+        alive, pos = alive[pos >= 0], pos[pos >= 0]
+        alive = alive[corpus[pos] == context[n - 1 - k]]
+        if not len(alive):
+            break
+        lengths[alive] += 1
+    best = NO_DRAFT
+    # The occurrences change only at the distinct lengths, and the longest m of a run allows
+    # the longest draft with the same probabilities, so only those m are tried (ascending, so
+    # that a tie goes to the longer match).
+    for m in np.unique(lengths):
+        occurrences = ends[lengths >= m]
+        total = len(occurrences) + 1  # the current occurrence counts: it has no continuation yet
+        tokens, probs = [], []
+        for j in range(min(max_tokens, int(m))):
+            occurrences = occurrences[occurrences + 1 + j < end]
+            following = corpus[occurrences + 1 + j]
+            occurrences, following = occurrences[following >= 0], following[following >= 0]
+            if not len(occurrences):
+                break
+            # Most frequent next token; among equals the most recent (first in reversed order).
+            values, first_reversed, counts = np.unique(following[::-1], return_index=True, return_counts=True)
+            pick = np.lexsort((first_reversed, -counts))[0]
+            if counts[pick] / total < min_prob:
+                break
+            tokens.append(int(values[pick]))
+            probs.append(float(counts[pick] / total))
+            occurrences = occurrences[following == values[pick]]
+        if tokens and sum(probs) >= best.score:
+            best = LookupDraft(np.asarray(tokens, dtype=np.int64), tuple(probs), int(m))
+    return best

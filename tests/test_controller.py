@@ -7,7 +7,9 @@ import pytest
 
 from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer
 from vllm_selfspec.control.acceptance import token_bins
-from vllm_selfspec.lookup import OutputHistory, lookup_draft, suffix_draft
+from vllm_selfspec.lookup import SEPARATOR, OutputHistory, lookup_draft, suffix_draft
+
+from reference import numpy_suffix_draft
 
 
 def test_lookup_follows_the_most_frequent_continuation():
@@ -40,6 +42,20 @@ def test_lookup_offers_nothing_without_a_confident_match():
     assert suffix_draft(scattered, 3, min_prob=0.05).probs == (1 / 13,)
     # The continuation may run up to the context's end, never past it.
     assert suffix_draft(np.array([1, 2, 1, 2]), 5).tokens.tolist() == [1, 2]
+
+
+def test_the_compiled_lookup_drafts_what_the_rule_in_numpy_drafts():
+    """Small vocabularies make long matches, ties and separators common: every branch of the rule."""
+    rng = np.random.default_rng(0)
+    for _ in range(1500):
+        corpus = rng.integers(0, rng.integers(2, 8), rng.integers(0, 60))
+        corpus[rng.random(len(corpus)) < 0.05] = SEPARATOR
+        context = rng.integers(0, 5, rng.integers(0, 30))
+        k, match, floor = int(rng.integers(0, 6)), int(rng.integers(0, 8)), float(rng.choice([0.0, 0.1, 0.3]))
+        for source in (None, corpus):
+            got = suffix_draft(context, k, source, match, floor)
+            want = numpy_suffix_draft(context, k, source, match, floor)
+            assert (got.tokens.tolist(), got.probs, got.match) == (want.tokens.tolist(), want.probs, want.match)
 
 
 def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():

@@ -14,8 +14,9 @@ from benchmarks import serving
 from benchmarks.serving import LoadPoint, Run, Server
 
 
-def run(server, point, round_=0, workload="code", default_cores=False, **result):
-    return Run(round_, Server(server, None, default_cores), workload, point, {"completed": 2, "failed": 0, **result})
+def run(server, point, round_=0, workload="code", default_cores=False, slot=0, **result):
+    return Run(round_, Server(server, None, default_cores), workload, point, {"completed": 2, "failed": 0, **result},
+               slot=slot)
 
 
 def test_load_points_scale_the_plain_capacity_and_start_with_the_capped_unlimited_run():
@@ -82,6 +83,20 @@ def test_ratios_are_against_plain_of_the_same_round_with_their_range():
     assert rows["fast"]["p99_ttft_x"] == "1.00-1.10"  # a time ratio: above 1 is slower
     assert rows["fast"]["output_throughput"] == 87.5 and rows["fast"]["rounds"] == 2
     assert rows["plain"]["throughput_x"] == ""
+
+
+def test_first_tokens_are_compared_request_by_request_with_the_same_prompts_on_plain():
+    point = LoadPoint("0.1C", 0.2)
+    lens = [100, 200, 300]
+    runs = [run("plain", point, 0, slot=0, ttfts=[1.0, 2.0, 4.0], input_lens=lens),
+            run("fast", point, 0, slot=1, ttfts=[1.1, 1.0, 3.0], input_lens=lens),
+            run("plain", point, 0, slot=2, ttfts=[1.0, 2.0, 2.0], input_lens=lens),
+            run("other", point, 0, slot=3, ttfts=[9.0, 9.0, 9.0], input_lens=[1, 2, 3])]
+    rows = {r["server"]: r for r in serving.summarize(runs)}
+    # Per request against the mean of the plain runs beside it: 1.1, 0.5, 1.0; the median.
+    assert rows["fast"]["ttft_paired_x"] == "1.00"
+    assert rows["plain"]["ttft_paired_x"] == "1.00-1.00"  # each plain run against the other, median
+    assert rows["other"]["ttft_paired_x"] == ""  # other prompts: no pairs
 
 
 def test_identical_outputs_are_counted_against_plain_among_served_requests():

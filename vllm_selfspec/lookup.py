@@ -6,7 +6,8 @@ forward pass at all. The proposer takes these drafts when they are likely enough
 with the model itself otherwise (`vllm_selfspec.control` decides how much of each pays).
 
 The rule is suffix decoding's (Oliaro et al., 2024; vLLM's `suffix` method, arctic-inference's
-`SuffixDecodingCache` with a single path), computed here with numpy and no suffix tree:
+`SuffixDecodingCache` with a single path), computed here by a scan of the context or history,
+with no suffix tree, compiled by numba (every row looks up every step):
   * every match length m = 1..max_match of the context's last tokens is considered;
   * the draft follows, token by token, the most frequent continuation of the earlier
     occurrences of those m tokens (ties: the most recent occurrence, which follows local
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from collections import OrderedDict
 
+import numba
 import numpy as np
 
 from vllm_selfspec.control.acceptance import DraftSource
@@ -53,52 +55,85 @@ def suffix_draft(context: np.ndarray, max_tokens: int, corpus: np.ndarray | None
                  max_match: int = 24, min_prob: float = 0.1) -> LookupDraft:
     """The best draft of up to `max_tokens` tokens for `context`, from the earlier occurrences of
     its last tokens in `context` itself (corpus None) or in `corpus` (earlier outputs joined by
-    SEPARATOR). Costs one vectorised pass over the corpus, then a few small ones."""
-    n = len(context)
+    SEPARATOR). One pass over the corpus, then work in proportion to the occurrences found."""
+    context = np.ascontiguousarray(context, dtype=np.int64)
     own = corpus is None
-    corpus = context if own else corpus
-    end = n if own else len(corpus)  # continuations stop here
-    limit = n - 1 if own else len(corpus) - 1  # an occurrence needs a token after it
+    corpus = context if own else np.ascontiguousarray(corpus, dtype=np.int64)
+    end = len(context) if own else len(corpus)  # continuations stop here
+    tokens, probs, match = _suffix_draft(context, corpus, end, end - 1, max_tokens, max_match, min_prob)
+    return LookupDraft(tokens, tuple(probs.tolist()), match) if len(tokens) else NO_DRAFT
+
+
+# Every lookup runs on the step's critical path, for every row, over up to the whole history:
+# compiled, a history lookup costs a fraction of what the same rule costs in numpy calls. The
+# loops below are the rule in the module docstring, step by step.
+@numba.njit(cache=True)
+def _suffix_draft(context, corpus, end, limit, max_tokens, max_match, min_prob):
+    """(draft tokens, their probabilities, match length) of `suffix_draft`; `limit`: an
+    occurrence must end before it (it needs a token after it)."""
+    no_draft = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0)
+    n = len(context)
     if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
-        return NO_DRAFT
-    ends = np.flatnonzero(corpus[:limit] == context[-1])
-    if not len(ends):
-        return NO_DRAFT
+        return no_draft
+    ends = np.flatnonzero(corpus[:limit] == context[n - 1])
+    if len(ends) == 0:
+        return no_draft
     # lengths[i]: how many of the context's last tokens match the corpus, ending at ends[i].
+    longest = min(max_match, n)
     lengths = np.ones(len(ends), dtype=np.int64)
-    alive = np.arange(len(ends))
-    for k in range(1, min(max_match, n)):
-        pos = ends[alive] - k
-        alive, pos = alive[pos >= 0], pos[pos >= 0]
-        alive = alive[corpus[pos] == context[n - 1 - k]]
-        if not len(alive):
-            break
-        lengths[alive] += 1
-    best = NO_DRAFT
-    # The occurrences change only at the distinct lengths, and the longest m of a run allows
-    # the longest draft with the same probabilities, so only those m are tried (ascending, so
-    # that a tie goes to the longer match).
+    for i in range(len(ends)):
+        k = 1
+        while k < longest and ends[i] - k >= 0 and corpus[ends[i] - k] == context[n - 1 - k]:
+            k += 1
+        lengths[i] = k
+    best_tokens, best_probs, best_match, best_score = no_draft[0], no_draft[1], 0, 0.0
+    # The occurrences change only at the distinct lengths, and the longest m of a run allows the
+    # longest draft with the same probabilities, so only those m are tried (ascending, so that a
+    # tie goes to the longer match).
     for m in np.unique(lengths):
         occurrences = ends[lengths >= m]
         total = len(occurrences) + 1  # the current occurrence counts: it has no continuation yet
-        tokens, probs = [], []
-        for j in range(min(max_tokens, int(m))):
-            occurrences = occurrences[occurrences + 1 + j < end]
-            following = corpus[occurrences + 1 + j]
-            occurrences, following = occurrences[following >= 0], following[following >= 0]
-            if not len(occurrences):
+        steps = min(max_tokens, m)
+        tokens = np.zeros(steps, dtype=np.int64)
+        probs = np.zeros(steps, dtype=np.float64)
+        taken = 0
+        for j in range(steps):
+            # The occurrences' next tokens (none past the end or across a separator).
+            kept = occurrences[occurrences + 1 + j < end]
+            following = corpus[kept + 1 + j]
+            kept, following = kept[following >= 0], following[following >= 0]
+            if len(kept) == 0:
                 break
-            # Most frequent next token; among equals the most recent (first in reversed order).
-            values, first_reversed, counts = np.unique(following[::-1], return_index=True, return_counts=True)
-            pick = np.lexsort((first_reversed, -counts))[0]
-            if counts[pick] / total < min_prob:
+            # The most frequent next token; among equals, the one whose latest occurrence is the
+            # most recent (occurrences are in corpus order).
+            order = np.argsort(following, kind="mergesort")
+            pick, pick_count, pick_last = -1, 0, -1
+            run = 0
+            for r in range(len(order)):
+                run += 1
+                if r + 1 == len(order) or following[order[r + 1]] != following[order[r]]:
+                    last = kept[order[r]]  # stable sort: the run's last is its latest occurrence
+                    if run > pick_count or (run == pick_count and last > pick_last):
+                        pick, pick_count, pick_last = following[order[r]], run, last
+                    run = 0
+            if pick_count / total < min_prob:
                 break
-            tokens.append(int(values[pick]))
-            probs.append(float(counts[pick] / total))
-            occurrences = occurrences[following == values[pick]]
-        if tokens and sum(probs) >= best.score:
-            best = LookupDraft(np.asarray(tokens, dtype=np.int64), tuple(probs), int(m))
-    return best
+            tokens[j], probs[j] = pick, pick_count / total
+            taken = j + 1
+            occurrences = kept[following == pick]
+        if taken:
+            score = 0.0
+            for j in range(taken):
+                score += probs[j]
+            if score >= best_score:
+                best_tokens, best_probs, best_match, best_score = tokens[:taken], probs[:taken], m, score
+    return best_tokens, best_probs, best_match
+
+
+def warm_up() -> None:
+    """Compile the lookup (or load it from numba's cache): seconds the first time on a machine,
+    which belong to the engine's start, not to its first request's step."""
+    suffix_draft(np.zeros(2, dtype=np.int64), 1)
 
 
 class OutputHistory:

@@ -21,6 +21,7 @@ import torch
 
 from vllm_selfspec.control import DraftController, DraftPlan, DraftSource, RowOffer
 from vllm_selfspec.fail_safe import FailSafe, fault_point
+from vllm_selfspec import lookup
 from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, make_options
 from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, prompt_key  # noqa: F401 (old home)
@@ -62,6 +63,8 @@ class SelfAdmgProposer:
         self._step_end: float | None = None
         self._steps_since_admission = 0
         self.fail_safe = FailSafe()
+        if self.options.lookup:
+            self.fail_safe.call(lookup.warm_up, lambda: None)
 
     # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
     # kept under another name than `model`: the runner treats `drafter.model` as a separate draft
@@ -157,7 +160,7 @@ class SelfAdmgProposer:
         for row, budget in zip(rows, budgets):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
             if self.options.lookup and budget:
-                history = self.history.pool(self._tenants.get(row.req_id)) if self.history else None
+                history = self.history.pool(self._tenants.get(row.req_id)) if self.history is not None else None
                 source, draft = lookup_draft(step.context(row.index), budget, self.options.lookup_max_match,
                                              history)
             found.append((source, draft))

@@ -36,6 +36,7 @@ class LinearCost:
     samples: int = 0
     outliers_in_a_row: int = 0
     _sums: dict = field(default_factory=dict)
+    _fit: tuple | None = None  # coefficients() since the last observation: the planner asks often
 
     def observe(self, features, seconds: float) -> None:
         x = np.asarray(features, dtype=np.float64)
@@ -58,8 +59,14 @@ class LinearCost:
         s["xy"] = s["xy"] + x * seconds
         self._sums = s
         self.samples += 1
+        self._fit = None
 
     def coefficients(self) -> tuple[float, np.ndarray]:
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, np.ndarray]:
         if not self._sums:
             return 0.0, np.zeros(len(self.prior_share))
         s = self._sums
