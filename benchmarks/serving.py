@@ -214,7 +214,8 @@ def slices(prompts: list, sizes: list[int], workload: str) -> list[list]:
 
 def point_sizes(args) -> list[int]:
     """Prompts per load point: the unlimited-rate run's, then each rate's."""
-    return [SATURATION_PROMPTS_PER_SLOT * args.max_concurrency] + [args.prompts_per_point] * len(args.load)
+    saturation = args.saturation_prompts or SATURATION_PROMPTS_PER_SLOT * args.max_concurrency
+    return [saturation] + [args.prompts_per_point] * len(args.load)
 
 
 async def complete_all(server: VllmServer, prompts: list[str], max_tokens: int, concurrency: int) -> list[str]:
@@ -448,6 +449,28 @@ def ratio(run: Run, bases: list[Run], metric: str, run_over_base: bool) -> float
     return a / statistics.mean(b) if run_over_base else statistics.mean(b) / a
 
 
+def spread(values: list[float]) -> str:
+    """Ratios over rounds as min-max ('' for none)."""
+    if not values:
+        return ""
+    return f"{min(values):.2f}" if len(values) == 1 else f"{min(values):.2f}-{max(values):.2f}"
+
+
+def paired_ttft_ratio(run: Run, bases: list[Run]) -> float | None:
+    """The median, over the run's requests, of each request's TTFT against the same prompt's
+    mean TTFT on its baselines (below 1 is faster). Every server gets the same prompts per load
+    point in the same order, so requests pair up; with a dozen requests a p99 is nearly the
+    slowest one, which one late arrival decides."""
+    def ttfts(r: Run) -> list | None:
+        values, lens = r.result.get("ttfts"), r.result.get("input_lens")
+        return values if values and lens == run.result.get("input_lens") and all(values) else None
+
+    mine, theirs = ttfts(run), [t for base in bases if (t := ttfts(base))]
+    if not mine or not theirs:
+        return None
+    return statistics.median(t / statistics.mean(others) for t, *others in zip(mine, *theirs))
+
+
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (workload, load point, server): medians over rounds; ratio ranges over the
     rounds whose runs, and their baseline's, served every request. Plain's own row, where its
@@ -474,8 +497,9 @@ def summarize(runs: list[Run]) -> list[dict]:
                  and all(base.clean for base in bases)]
         for name, (metric, run_over_base) in RATIOS.items():
             values = [v for r, bases in pairs if (v := ratio(r, bases, metric, run_over_base)) is not None]
-            row[name] = (f"{min(values):.2f}" if len(values) == 1 else f"{min(values):.2f}-{max(values):.2f}"
-                         ) if values else ""
+            row[name] = spread(values)
+        values = [v for r, bases in pairs if (v := paired_ttft_ratio(r, bases)) is not None]
+        row["ttft_paired_x"] = spread(values)
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
         row["identical_to_plain"] = f"{sum(identical)}/{sum(r.metric('completed') or 0 for r in group)}" \
             if identical else ""
@@ -566,6 +590,9 @@ def parse_args(argv=None):
                         help="request rates as fractions of the plain server's capacity C")
     parser.add_argument("--max-concurrency", type=int, default=16, help="the cap of the unlimited-rate run")
     parser.add_argument("--prompts-per-point", type=int, help="default: by --mode")
+    parser.add_argument("--saturation-prompts", type=int,
+                        help=f"prompts of the unlimited-rate run; default: {SATURATION_PROMPTS_PER_SLOT} x "
+                             "--max-concurrency")
     parser.add_argument("--output-tokens", type=int, help="max_tokens of every request; default: by --mode")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="every server again, in reverse order each round")
