@@ -52,10 +52,12 @@ MODES = {  # model, draft model for draft_model, prompts per load point, output 
     "quick": ("smollm2-135m", None, 12, 64),
     "full": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 12, 128),
 }
-# The unlimited-rate run gets this many times its concurrency cap in prompts: with no more
-# prompts than the cap it would time one batch (its prefill, then its longest answer), not a
-# server kept full.
-SATURATION_PROMPTS_PER_SLOT = 2
+# The unlimited-rate run gets this many times its concurrency cap in prompts (or what a workload
+# has left after its rates: MT-Bench has 80 conversations). With few waves of prompts it times
+# the waves, not a server kept full: plain decoding's requests of a wave finish together, so the
+# next wave's prompts are prefilled together while nobody decodes, and its last wave decodes as
+# a full batch to the end. A method whose requests finish at different times pays both.
+SATURATION_PROMPTS_PER_SLOT = 6
 PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
 PROPOSER_COUNTERS = ("prompts_measured", "probe_seconds", "draft_steps", "draft_tokens", "draft_seconds",
@@ -212,10 +214,13 @@ def slices(prompts: list, sizes: list[int], workload: str) -> list[list]:
     return [prompts[end - size:end] for size, end in zip(sizes, ends)]
 
 
-def point_sizes(args) -> list[int]:
-    """Prompts per load point: the unlimited-rate run's, then each rate's."""
-    saturation = args.saturation_prompts or SATURATION_PROMPTS_PER_SLOT * args.max_concurrency
-    return [saturation] + [args.prompts_per_point] * len(args.load)
+def point_sizes(args, available: int) -> list[int]:
+    """Prompts per load point of a workload with `available` prompts: the unlimited-rate run's,
+    then each rate's."""
+    rates = [args.prompts_per_point] * len(args.load)
+    saturation = args.saturation_prompts or min(SATURATION_PROMPTS_PER_SLOT * args.max_concurrency,
+                                                available - sum(rates))
+    return [saturation, *rates]
 
 
 async def complete_all(server: VllmServer, prompts: list[str], max_tokens: int, concurrency: int) -> list[str]:
@@ -338,7 +343,8 @@ def spent(before: dict | None, after: dict | None) -> dict | None:
 def load_slices(server: VllmServer, workload: str, plan: Plan, args, tokenizer) -> list[list[str]]:
     """The prompts of each load point. Multi-turn: the first turns are sent now, unmeasured, and
     the second turns carry the first server's answers, so every server measures the same prompts."""
-    prompt_slices = slices(first_prompts(workload, tokenizer), point_sizes(args), workload)
+    prompts = first_prompts(workload, tokenizer)
+    prompt_slices = slices(prompts, point_sizes(args, len(prompts)), workload)
     if workload != "multiturn":
         return prompt_slices
     from benchmarks import assets
@@ -438,6 +444,9 @@ RATIOS = {  # name: (metric, True for the run's value over plain's, False for pl
     "mean_tpot_x": ("mean_tpot_ms", False),  # a time, inverted: above 1 is faster
     "p99_tpot_x": ("p99_tpot_ms", False),
     "p99_ttft_x": ("p99_ttft_ms", True),  # a time as it is: below 1 is faster
+    # A request's whole time, first token and the rest: at capacity a method can trade one
+    # for the other (requests admitted sooner decode beside more prefills).
+    "mean_e2el_x": ("mean_e2el_ms", False),
 }
 
 
@@ -505,6 +514,12 @@ def summarize(runs: list[Run]) -> list[dict]:
             if identical else ""
         rows.append(row)
     return rows
+
+
+def unlimited_sizes(runs: list[Run]) -> str:
+    """The unlimited-rate run's prompts per workload, as `vllm bench serve` reported them."""
+    sizes = {r.workload: r.metric("num_prompts") for r in runs if math.isinf(r.point.rate)}
+    return ", ".join(f"{workload} {size}" for workload, size in sizes.items())
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -649,7 +664,8 @@ def main(argv=None) -> Path:
     print(f"dtype {args.dtype_reason}; results in {out}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     for workload in args.workloads:  # before hours of serving, not after
-        slices(first_prompts(workload, tokenizer), point_sizes(args), workload)
+        prompts = first_prompts(workload, tokenizer)
+        slices(prompts, point_sizes(args, len(prompts)), workload)
     plan, runs, specs = Plan(), [], servers(args)
     command = "python -m benchmarks.serving " + " ".join(sys.argv[1:])
     for round_ in range(args.rounds):
@@ -677,12 +693,14 @@ def write_summary(runs: list[Run], args, out: Path, command: str, started: str |
     mark_identical(runs)
     rows = summarize(runs)
     header = (f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
-              f"prompts per load point ({point_sizes(args)[0]} at the unlimited rate), {args.output_tokens} output tokens, temperature {args.temperature:g}, "
+              f"prompts per load point ({unlimited_sizes(runs)} at the unlimited rate), "
+              f"{args.output_tokens} output tokens, temperature {args.temperature:g}, "
               f"loads {', '.join(f'{f:g}C' for f in args.load)} of the plain server's capacity C and unlimited "
               f"with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
               f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"
               f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
-              f"(below 1 is better); plain's own ratios, where it ran more than once a round, are each plain run "
+              f"(below 1 is better), and ttft_paired_x, the median over requests of each one's TTFT against the "
+              f"same prompt's on plain (below 1 is better); plain's own ratios, where it ran more than once a round, are each plain run "
               f"against its others: the noise. Below capacity the output throughput follows the arrival rate (the "
               f"last request is sent at prompts / rate): there TPOT and TTFT tell methods apart.\n"
               f"Command: `{command}`\n\n")

@@ -34,14 +34,19 @@ def test_every_load_point_gets_prompts_of_its_own():
         serving.slices(list(range(10)), [4, 3, 3, 3], workload="code")
 
 
-def test_the_unlimited_rate_keeps_the_server_full_for_longer_than_one_batch():
+def test_the_unlimited_rate_keeps_the_server_full_for_several_waves_of_requests():
     args = serving.parse_args(["--max-concurrency", "8", "--load", "0.1", "0.5"])
-    assert serving.point_sizes(args) == [16, 12, 12]
+    assert serving.point_sizes(args, available=164) == [48, 12, 12]
+    assert serving.point_sizes(args, available=50) == [26, 12, 12]  # what the rates leave
+    args = serving.parse_args(["--max-concurrency", "8", "--load", "0.1", "--saturation-prompts", "9"])
+    assert serving.point_sizes(args, available=164) == [9, 12]
 
 
-def test_both_modes_fit_the_smallest_workload():  # MT-Bench: 80 conversations
+def test_both_modes_fit_the_smallest_workload_with_two_waves_at_the_unlimited_rate():  # MT-Bench: 80
     for mode in serving.MODES:
-        assert sum(serving.point_sizes(serving.parse_args(["--mode", mode]))) <= 80
+        args = serving.parse_args(["--mode", mode])
+        sizes = serving.point_sizes(args, available=80)
+        assert sum(sizes) <= 80 and sizes[0] >= 2 * args.max_concurrency
 
 
 def test_dataset_lines_are_what_the_custom_dataset_reads(tmp_path):
