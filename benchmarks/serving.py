@@ -218,8 +218,12 @@ def point_sizes(args, available: int) -> list[int]:
     """Prompts per load point of a workload with `available` prompts: the unlimited-rate run's,
     then each rate's."""
     rates = [args.prompts_per_point] * len(args.load)
-    saturation = args.saturation_prompts or min(SATURATION_PROMPTS_PER_SLOT * args.max_concurrency,
-                                                available - sum(rates))
+    saturation = args.saturation_prompts
+    if saturation is None:
+        saturation = min(SATURATION_PROMPTS_PER_SLOT * args.max_concurrency, available - sum(rates))
+    if saturation < args.max_concurrency:
+        raise SystemExit(f"the unlimited-rate run needs at least --max-concurrency ({args.max_concurrency}) "
+                         f"prompts, it gets {saturation} (of {available}: lower --prompts-per-point or the loads)")
     return [saturation, *rates]
 
 
@@ -470,12 +474,14 @@ def paired_ttft_ratio(run: Run, bases: list[Run]) -> float | None:
     mean TTFT on its baselines (below 1 is faster). Every server gets the same prompts per load
     point in the same order, so requests pair up; with a dozen requests a p99 is nearly the
     slowest one, which one late arrival decides."""
-    def ttfts(r: Run) -> list | None:
-        values, lens = r.result.get("ttfts"), r.result.get("input_lens")
-        return values if values and lens == run.result.get("input_lens") and all(values) else None
+    lens = run.result.get("input_lens")
 
-    mine, theirs = ttfts(run), [t for base in bases if (t := ttfts(base))]
-    if not mine or not theirs:
+    def paired_ttfts(r: Run) -> list | None:
+        values = r.result.get("ttfts")
+        return values if values and lens is not None and r.result.get("input_lens") == lens else None
+
+    mine, theirs = paired_ttfts(run), [paired_ttfts(base) for base in bases]
+    if not mine or not theirs or None in theirs or not all(map(all, theirs)):
         return None
     return statistics.median(t / statistics.mean(others) for t, *others in zip(mine, *theirs))
 
@@ -518,7 +524,8 @@ def summarize(runs: list[Run]) -> list[dict]:
 
 def unlimited_sizes(runs: list[Run]) -> str:
     """The unlimited-rate run's prompts per workload, as `vllm bench serve` reported them."""
-    sizes = {r.workload: r.metric("num_prompts") for r in runs if math.isinf(r.point.rate)}
+    sizes = {r.workload: r.metric("num_prompts") for r in runs
+             if math.isinf(r.point.rate) and r.metric("num_prompts") is not None}
     return ", ".join(f"{workload} {size}" for workload, size in sizes.items())
 
 

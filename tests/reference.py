@@ -46,7 +46,7 @@ def hf_similarities(model_path, prompts_token_ids, window: int = 0) -> list[tupl
 
 
 def numpy_suffix_draft(context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None,
-                 max_match: int = 24, min_prob: float = 0.1) -> LookupDraft:
+                       max_match: int = 24, min_prob: float = 0.1) -> LookupDraft:
     """vllm_selfspec.lookup.suffix_draft's rule in numpy calls, written apart from the compiled one:
     the same drafts, probabilities and match length, for the equivalence test."""
     n = len(context)

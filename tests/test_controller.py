@@ -47,15 +47,28 @@ def test_lookup_offers_nothing_without_a_confident_match():
 def test_the_compiled_lookup_drafts_what_the_rule_in_numpy_drafts():
     """Small vocabularies make long matches, ties and separators common: every branch of the rule."""
     rng = np.random.default_rng(0)
+    drafts = long_matches = 0
     for _ in range(1500):
         corpus = rng.integers(0, rng.integers(2, 8), rng.integers(0, 60))
         corpus[rng.random(len(corpus)) < 0.05] = SEPARATOR
-        context = rng.integers(0, 5, rng.integers(0, 30))
-        k, match, floor = int(rng.integers(0, 6)), int(rng.integers(0, 8)), float(rng.choice([0.0, 0.1, 0.3]))
+        # As vLLM holds them: int32 rows of a wider array.
+        length = int(rng.integers(0, 40))
+        rows = np.zeros((2, 40), dtype=np.int32)
+        rows[0, :length] = rng.integers(0, 5, length)
+        if rng.random() < 0.5:  # a repeated phrase with typos: long matches
+            phrase = rng.integers(0, 5, rng.integers(1, 6))
+            rows[0, :length] = np.where(rng.random(length) < 0.1, rows[0, :length], np.resize(phrase, length))
+            corpus = np.where(rng.random(len(corpus)) < 0.8, np.resize(phrase, len(corpus)), corpus)
+        context = rows[0, :length]
+        k, match = int(rng.integers(-1, 6)), int(rng.integers(-1, 30))
+        floor = float(rng.choice([0.0, 0.1, 0.3]))
         for source in (None, corpus):
             got = suffix_draft(context, k, source, match, floor)
-            want = numpy_suffix_draft(context, k, source, match, floor)
+            want = numpy_suffix_draft(context.astype(np.int64), k, source, match, floor)
             assert (got.tokens.tolist(), got.probs, got.match) == (want.tokens.tolist(), want.probs, want.match)
+            drafts += len(got) > 0
+            long_matches += got.match >= 8
+    assert drafts > 1000 and long_matches > 20  # mostly drafts compared, some of long matches
 
 
 def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():

@@ -38,6 +38,8 @@ def test_the_unlimited_rate_keeps_the_server_full_for_several_waves_of_requests(
     args = serving.parse_args(["--max-concurrency", "8", "--load", "0.1", "0.5"])
     assert serving.point_sizes(args, available=164) == [48, 12, 12]
     assert serving.point_sizes(args, available=50) == [26, 12, 12]  # what the rates leave
+    with pytest.raises(SystemExit, match="at least --max-concurrency"):
+        serving.point_sizes(args, available=30)
     args = serving.parse_args(["--max-concurrency", "8", "--load", "0.1", "--saturation-prompts", "9"])
     assert serving.point_sizes(args, available=164) == [9, 12]
 
@@ -94,14 +96,17 @@ def test_first_tokens_are_compared_request_by_request_with_the_same_prompts_on_p
     point = LoadPoint("0.1C", 0.2)
     lens = [100, 200, 300]
     runs = [run("plain", point, 0, slot=0, ttfts=[1.0, 2.0, 4.0], input_lens=lens),
-            run("fast", point, 0, slot=1, ttfts=[1.1, 1.0, 3.0], input_lens=lens),
+            run("fast", point, 0, slot=1, ttfts=[0.5, 4.0, 2.4], input_lens=lens),
             run("plain", point, 0, slot=2, ttfts=[1.0, 2.0, 2.0], input_lens=lens),
             run("other", point, 0, slot=3, ttfts=[9.0, 9.0, 9.0], input_lens=[1, 2, 3])]
     rows = {r["server"]: r for r in serving.summarize(runs)}
-    # Per request against the mean of the plain runs beside it: 1.1, 0.5, 1.0; the median.
-    assert rows["fast"]["ttft_paired_x"] == "1.00"
+    # Per request against the mean of the plain runs beside it, (1, 2, 3): 0.5, 2.0, 0.8; the
+    # median. (Sorted TTFTs paired by rank would give 1.2, one plain run alone 0.6.)
+    assert rows["fast"]["ttft_paired_x"] == "0.80"
     assert rows["plain"]["ttft_paired_x"] == "1.00-1.00"  # each plain run against the other, median
     assert rows["other"]["ttft_paired_x"] == ""  # other prompts: no pairs
+    del runs[2].result["ttfts"]  # a baseline without them: no comparison, rather than one with half
+    assert {r["server"]: r for r in serving.summarize(runs)}["fast"]["ttft_paired_x"] == ""
 
 
 def test_identical_outputs_are_counted_against_plain_among_served_requests():

@@ -55,24 +55,35 @@ def suffix_draft(context: np.ndarray, max_tokens: int, corpus: np.ndarray | None
                  max_match: int = 24, min_prob: float = 0.1) -> LookupDraft:
     """The best draft of up to `max_tokens` tokens for `context`, from the earlier occurrences of
     its last tokens in `context` itself (corpus None) or in `corpus` (earlier outputs joined by
-    SEPARATOR). One pass over the corpus, then work in proportion to the occurrences found."""
+    SEPARATOR). One pass over the corpus, then work that grows with the occurrences found."""
+    # One type signature, the one compiled at start-up (warm_up): any other would be compiled
+    # in the middle of a step.
     context = np.ascontiguousarray(context, dtype=np.int64)
-    own = corpus is None
-    corpus = context if own else np.ascontiguousarray(corpus, dtype=np.int64)
-    end = len(context) if own else len(corpus)  # continuations stop here
-    tokens, probs, match = _suffix_draft(context, corpus, end, end - 1, max_tokens, max_match, min_prob)
+    corpus = context if corpus is None else np.ascontiguousarray(corpus, dtype=np.int64)
+    tokens, probs, match = _suffix_draft(context, corpus, int(max_tokens), int(max_match), float(min_prob))
     return LookupDraft(tokens, tuple(probs.tolist()), match) if len(tokens) else NO_DRAFT
+
+
+def _compiled(function):
+    """`function` compiled by numba, cached on disk where numba finds a writable place (else
+    compiled again at each engine start, rather than failing the import)."""
+    try:
+        return numba.njit(cache=True)(function)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return numba.njit(function)
 
 
 # Every lookup runs on the step's critical path, for every row, over up to the whole history:
 # compiled, a history lookup costs a fraction of what the same rule costs in numpy calls. The
 # loops below are the rule in the module docstring, step by step.
-@numba.njit(cache=True)
-def _suffix_draft(context, corpus, end, limit, max_tokens, max_match, min_prob):
-    """(draft tokens, their probabilities, match length) of `suffix_draft`; `limit`: an
-    occurrence must end before it (it needs a token after it)."""
+@_compiled
+def _suffix_draft(context, corpus, max_tokens, max_match, min_prob):
+    """(draft tokens, their probabilities, match length) of `suffix_draft`; `corpus` may be
+    `context` itself."""
     no_draft = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0)
     n = len(context)
+    end = len(corpus)  # continuations stop here
+    limit = end - 1  # an occurrence needs a token after it
     if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
         return no_draft
     ends = np.flatnonzero(corpus[:limit] == context[n - 1])

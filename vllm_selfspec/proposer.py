@@ -21,8 +21,8 @@ import torch
 
 from vllm_selfspec.control import DraftController, DraftPlan, DraftSource, RowOffer
 from vllm_selfspec.fail_safe import FailSafe, fault_point
-from vllm_selfspec import lookup
 from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
+from vllm_selfspec.lookup import warm_up as warm_up_lookup
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, make_options
 from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, prompt_key  # noqa: F401 (old home)
 from vllm_selfspec.self_draft import SelfDrafter
@@ -64,7 +64,7 @@ class SelfAdmgProposer:
         self._steps_since_admission = 0
         self.fail_safe = FailSafe()
         if self.options.lookup:
-            self.fail_safe.call(lookup.warm_up, lambda: None)
+            self.fail_safe.call(warm_up_lookup, lambda: None)
 
     # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
     # kept under another name than `model`: the runner treats `drafter.model` as a separate draft

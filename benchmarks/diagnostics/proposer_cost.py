@@ -13,6 +13,7 @@ a server's, then `--rounds` batches of `--batch` HumanEval prompts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -42,6 +43,9 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="self-admg", help="a speculative method, or plain")
+    parser.add_argument("--spec-options", type=json.loads, default={},
+                        help="more of the speculative config, as JSON: '{\"prompt_lookup_min\": 16}' with "
+                             "ngram gives a speculative engine that drafts almost nothing")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=1)
@@ -50,7 +54,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     print(bind_worker_cores().reason)
-    spec = None if args.method == "plain" else {"method": args.method, "num_speculative_tokens": 4}
+    spec = None if args.method == "plain" else {"method": args.method, "num_speculative_tokens": 4,
+                                                **args.spec_options}
     llm = build_llm(args.model, dtype=args.dtype, max_model_len=2048, max_num_batched_tokens=2048,
                     max_num_seqs=max(args.batch, 1), seed=0, speculative_config=spec, kv_cache_memory_bytes=1 << 30)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -71,7 +76,8 @@ def main(argv=None) -> None:
         tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False))
     wall = time.perf_counter() - start
     (steps, step_s), (calls, propose_s) = totals["execute_model"], totals["propose_draft_token_ids"]
-    print(f"{args.method}, batch {args.batch}, after {args.history} prompts: {tokens} tokens in {wall:.2f} s "
+    method = f"{args.method} {json.dumps(args.spec_options)}" if args.spec_options else args.method
+    print(f"{method}, batch {args.batch}, after {args.history} prompts: {tokens} tokens in {wall:.2f} s "
           f"= {tokens / wall:.1f} tokens/s; {steps} steps of {1e3 * step_s / max(steps, 1):.2f} ms; proposer "
           f"{1e3 * propose_s / max(calls, 1):.2f} ms a step ({100 * propose_s / wall:.1f}% of the time)")
 

@@ -36,7 +36,8 @@ class LinearCost:
     samples: int = 0
     outliers_in_a_row: int = 0
     _sums: dict = field(default_factory=dict)
-    _fit: tuple | None = None  # coefficients() since the last observation: the planner asks often
+    # coefficients() since the last observation: the planner asks for them several times a step.
+    _fit: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def observe(self, features, seconds: float) -> None:
         x = np.asarray(features, dtype=np.float64)
@@ -48,6 +49,7 @@ class LinearCost:
             if self.outliers_in_a_row < 3:
                 return
         self.outliers_in_a_row = 0
+        self._fit = None
         s = self._sums or dict(w=0.0, x=np.zeros_like(x), xx=np.zeros((len(x), len(x))),
                                y=0.0, xy=np.zeros_like(x))
         for key in s:
@@ -59,11 +61,12 @@ class LinearCost:
         s["xy"] = s["xy"] + x * seconds
         self._sums = s
         self.samples += 1
-        self._fit = None
 
     def coefficients(self) -> tuple[float, np.ndarray]:
         if self._fit is None:
-            self._fit = self._solve()
+            intercept, coef = self._solve()
+            coef.flags.writeable = False  # shared by every caller until the next observation
+            self._fit = intercept, coef
         return self._fit
 
     def _solve(self) -> tuple[float, np.ndarray]:
