@@ -40,6 +40,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_flags(model, dtype: str, max_model_len: int, kv_cache_gb: int, seed: int | None = None) -> list[str]:
+    """The `vllm serve` flags every server of a comparison shares (the method's come on top)."""
+    return ["--dtype", dtype, "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes",
+            str(kv_cache_gb << 30), "--served-model-name", str(model),
+            *(["--seed", str(seed)] if seed is not None else [])]
+
+
 class VllmServer:
     """`vllm serve MODEL ARGS...` on a free loopback port, for as long as the `with` block."""
 
@@ -362,8 +369,7 @@ def main(argv=None) -> Path:
         raise SystemExit(f"--warmup {args.warmup} + --requests {args.requests} needs that many distinct "
                          f"prompts; {args.workload} has {len(prompts)}")
     warmup_prompts, prompts = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
-    common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-              "--kv-cache-memory-bytes", str(args.kv_cache_gb << 30), "--served-model-name", str(model)]
+    common = server_flags(model, args.dtype, args.max_model_len, args.kv_cache_gb)
     servers = {"plain": common, "self-admg": [*common, "--speculative-config", args.speculative_config]}
     rows, loads = [], {}
     for name, server_args in servers.items():

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.engine import CORES_ENV_VAR
-from benchmarks.serve_load import VLLM, VllmServer
+from benchmarks.serve_load import VLLM, VllmServer, server_flags
 
 RESULTS_DIR = Path(__file__).parent / "results"
 WARMUP_REQUESTS = 8
@@ -399,8 +399,7 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
 
 def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int, slot: int = 0) -> list[Run]:
     """Every workload's load points on one fresh server, after an unmeasured warm-up."""
-    common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
-              str(args.kv_cache_gb << 30), "--served-model-name", args.model_path, "--seed", "0"]
+    common = server_flags(args.model_path, args.dtype, args.max_model_len, args.kv_cache_gb, seed=0)
     log = out / f"server-r{round_}-{slot}-{spec.slug}.log"
     print(f"round {round_}: {spec.name}", flush=True)
     runs: list[Run] = []

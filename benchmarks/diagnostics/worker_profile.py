@@ -45,7 +45,7 @@ def main(argv=None) -> None:
 
     from benchmarks import assets
     from benchmarks.run import method_configs
-    from benchmarks.serve_load import VllmServer
+    from benchmarks.serve_load import VllmServer, server_flags
     from benchmarks.serving import Server, complete_all
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,8 +59,7 @@ def main(argv=None) -> None:
         raise SystemExit("py-spy not found: pip install py-spy")
     model = str(assets.model_path("smollm2-135m"))
     spec = Server(args.method, method_configs(None).get(args.method))
-    common = ["--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory-bytes", str(2 << 30),
-              "--served-model-name", model, "--seed", "0"]
+    common = server_flags(model, "float32", max_model_len=4096, kv_cache_gb=2, seed=0)
     prompts = assets.load_prompts("humaneval")
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / f"{args.method}.txt"
