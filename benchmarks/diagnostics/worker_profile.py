@@ -44,6 +44,7 @@ def main(argv=None) -> None:
     from openai import OpenAI
 
     from benchmarks import assets
+    from benchmarks.engine import bind_worker_cores
     from benchmarks.run import method_configs
     from benchmarks.serve_load import VllmServer, server_flags
     from benchmarks.serving import Server, complete_all
@@ -57,6 +58,8 @@ def main(argv=None) -> None:
     spy = shutil.which("py-spy")
     if spy is None:
         raise SystemExit("py-spy not found: pip install py-spy")
+    cores = bind_worker_cores()
+    print(f"cores {cores.reason}", flush=True)
     model = str(assets.model_path("smollm2-135m"))
     spec = Server(args.method, method_configs(None).get(args.method))
     common = server_flags(model, "float32", max_model_len=4096, kv_cache_gb=2, seed=0)
@@ -64,7 +67,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / f"{args.method}.txt"
     with VllmServer(model, *spec.args(common), log_path=args.out / f"{args.method}.log",
-                    env=spec.env("0-" + str(psutil.cpu_count() - 1))) as server:
+                    env=spec.env(cores.binding)) as server:
         asyncio.run(complete_all(server, prompts[:args.history], 64, 16))
         worker = next(p for p in psutil.Process(server.process.pid).children(recursive=True) if "Worker" in p.name())
         recorder = subprocess.Popen([spy, "record", "--pid", str(worker.pid), "--duration", str(int(args.seconds) + 5),
