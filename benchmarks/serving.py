@@ -35,6 +35,7 @@ import itertools
 import datetime as dt
 import json
 import math
+import random
 import re
 import statistics
 import subprocess
@@ -199,9 +200,20 @@ def second_turn_prompt(tokenizer, turns: list[str], answer: str) -> str:
                                  {"role": "user", "content": turns[1]}])
 
 
-def write_jsonl(path: Path, prompts: list[str], output_tokens: int) -> Path:
+def output_lengths(count: int, mean: int, spread: float, seed: str) -> list[int]:
+    """Each request's max_tokens: `mean`, or with `spread` > 0 drawn uniformly from
+    mean * [1 - spread, 1 + spread] (as vLLM's random dataset draws them with its range ratio),
+    the same for every server: answers that end at different lengths, as real ones do, instead
+    of every request running to the same limit (see SATURATION_PROMPTS_PER_SLOT)."""
+    rng = random.Random(seed)  # a str seed is stable across processes and runs
+    low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    return [rng.randint(low, high) for _ in range(count)]
+
+
+def write_jsonl(path: Path, prompts: list[str], output_tokens: list[int]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"prompt": p, "output_tokens": output_tokens}) + "\n" for p in prompts))
+    path.write_text("".join(json.dumps({"prompt": p, "output_tokens": n}) + "\n"
+                            for p, n in zip(prompts, output_tokens, strict=True)))
     return path
 
 
@@ -373,7 +385,8 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
         else:
             raise RuntimeError(f"{workload}: no rates, the first server's unlimited-rate run failed")
         slug = f"r{round_}-{slot}-{spec.slug}-{workload}-{point.label}"  # read back by RAW_NAME
-        dataset = write_jsonl(out / "workloads" / f"{slug}.jsonl", prompts, args.output_tokens)
+        lengths = output_lengths(len(prompts), args.output_tokens, args.output_spread, f"{workload}-{index}")
+        dataset = write_jsonl(out / "workloads" / f"{slug}.jsonl", prompts, lengths)
         command = bench_command(server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json",
                                 args.temperature)
         try:
@@ -607,14 +620,18 @@ def parse_args(argv=None):
                                                           "self-admg"],
                         help="besides plain, which always runs first (draft_model only in full mode)")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--load", nargs="+", type=float, default=[0.1, 0.3, 0.6, 1.5],
-                        help="request rates as fractions of the plain server's capacity C")
+    parser.add_argument("--load", nargs="*", type=float, default=[0.1, 0.3, 0.6, 1.5],
+                        help="request rates as fractions of the plain server's capacity C (none: the "
+                             "unlimited-rate run only)")
     parser.add_argument("--max-concurrency", type=int, default=16, help="the cap of the unlimited-rate run")
     parser.add_argument("--prompts-per-point", type=int, help="default: by --mode")
     parser.add_argument("--saturation-prompts", type=int,
                         help=f"prompts of the unlimited-rate run; default: {SATURATION_PROMPTS_PER_SLOT} x "
                              "--max-concurrency")
     parser.add_argument("--output-tokens", type=int, help="max_tokens of every request; default: by --mode")
+    parser.add_argument("--output-spread", type=float, default=0.0,
+                        help="each request's max_tokens drawn from --output-tokens x [1 - S, 1 + S] (0 <= S < 1), "
+                             "the same for every server")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="every server again, in reverse order each round")
     parser.add_argument("--plain-between", action=argparse.BooleanOptionalAction, default=True,
@@ -631,6 +648,8 @@ def parse_args(argv=None):
     parser.add_argument("--summarize", type=Path, metavar="FOLDER",
                         help="start no server: write FOLDER's table, CSV and plots again from what it saved")
     args = parser.parse_args(argv)
+    if not 0 <= args.output_spread < 1:
+        parser.error(f"--output-spread must be at least 0 and below 1, not {args.output_spread:g}")
     model, draft, per_point, tokens = MODES[args.mode]
     args.prompts_per_point = args.prompts_per_point or per_point
     args.output_tokens = args.output_tokens or tokens
@@ -695,12 +714,17 @@ def summarize_folder(out: Path) -> None:
     print((out / "table.md").read_text())
 
 
+def spread_note(spread: float) -> str:
+    return f" at most (each request's limit drawn from {1 - spread:g}-{1 + spread:g}x that)" if spread else ""
+
+
 def write_summary(runs: list[Run], args, out: Path, command: str, started: str | None = None) -> None:
     mark_identical(runs)
     rows = summarize(runs)
     header = (f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
               f"prompts per load point ({unlimited_sizes(runs)} at the unlimited rate), "
-              f"{args.output_tokens} output tokens, temperature {args.temperature:g}, "
+              f"{args.output_tokens} output tokens{spread_note(getattr(args, 'output_spread', 0))}, "
+              f"temperature {args.temperature:g}, "
               f"loads {', '.join(f'{f:g}C' for f in args.load)} of the plain server's capacity C and unlimited "
               f"with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
               f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"

@@ -52,9 +52,20 @@ def test_both_modes_fit_the_smallest_workload_with_two_waves_at_the_unlimited_ra
 
 
 def test_dataset_lines_are_what_the_custom_dataset_reads(tmp_path):
-    path = serving.write_jsonl(tmp_path / "w" / "a.jsonl", ["p1", "p\n2"], 64)
+    path = serving.write_jsonl(tmp_path / "w" / "a.jsonl", ["p1", "p\n2"], [64, 40])
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        {"prompt": "p1", "output_tokens": 64}, {"prompt": "p\n2", "output_tokens": 64}]
+        {"prompt": "p1", "output_tokens": 64}, {"prompt": "p\n2", "output_tokens": 40}]
+
+
+def test_output_lengths_spread_around_the_limit_the_same_for_every_server():
+    assert serving.output_lengths(5, 64, 0.0, "code-0") == [64] * 5
+    spread = serving.output_lengths(400, 64, 0.5, "code-0")
+    assert spread == serving.output_lengths(400, 64, 0.5, "code-0")  # every server sends the same
+    assert spread != serving.output_lengths(400, 64, 0.5, "code-1")
+    assert min(spread) == 32 and max(spread) == 96 and abs(np.mean(spread) - 64) < 3
+    assert serving.parse_args(["--output-spread", "0.5", "--load"]).load == []  # the unlimited rate only
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--output-spread", "1"])
 
 
 def test_bench_command_sends_the_file_in_order_as_it_is(tmp_path):
