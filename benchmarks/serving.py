@@ -714,6 +714,12 @@ def summarize_folder(out: Path) -> None:
     print((out / "table.md").read_text())
 
 
+def load_note(loads: list[float]) -> str:
+    if not loads:
+        return "the unlimited rate only"
+    return f"loads {', '.join(f'{f:g}C' for f in loads)} of the plain server's capacity C and unlimited"
+
+
 def spread_note(spread: float) -> str:
     return f" at most (each request's limit drawn from {1 - spread:g}-{1 + spread:g}x that)" if spread else ""
 
@@ -725,8 +731,7 @@ def write_summary(runs: list[Run], args, out: Path, command: str, started: str |
               f"prompts per load point ({unlimited_sizes(runs)} at the unlimited rate), "
               f"{args.output_tokens} output tokens{spread_note(getattr(args, 'output_spread', 0))}, "
               f"temperature {args.temperature:g}, "
-              f"loads {', '.join(f'{f:g}C' for f in args.load)} of the plain server's capacity C and unlimited "
-              f"with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
+              f"{load_note(args.load)} with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
               f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"
               f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
               f"(below 1 is better), and ttft_paired_x, the median over requests of each one's TTFT against the "
