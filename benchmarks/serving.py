@@ -54,10 +54,12 @@ MODES = {  # model, draft model for draft_model, prompts per load point, output 
     "full": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 12, 128),
 }
 # The unlimited-rate run gets this many times its concurrency cap in prompts (or what a workload
-# has left after its rates: MT-Bench has 80 conversations). With few waves of prompts it times
-# the waves, not a server kept full: plain decoding's requests of a wave finish together, so the
-# next wave's prompts are prefilled together while nobody decodes, and its last wave decodes as
-# a full batch to the end. A method whose requests finish at different times pays both.
+# has left after its rates: MT-Bench has 80 conversations), so that the run times a server kept
+# full rather than its first and last waves. When most answers reach one token limit, plain
+# decoding's requests of a wave still finish together however many waves there are: the next
+# wave's prompts are prefilled while nobody decodes (first-token time, not TPOT), and a method
+# whose requests finish at different times pays each prefill inside the others' decoding.
+# `--output-spread` gives requests limits of their own, as real answers have lengths of their own.
 SATURATION_PROMPTS_PER_SLOT = 6
 PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
@@ -200,13 +202,18 @@ def second_turn_prompt(tokenizer, turns: list[str], answer: str) -> str:
                                  {"role": "user", "content": turns[1]}])
 
 
+def output_range(mean: int, spread: float) -> tuple[int, int]:
+    """The fewest and most max_tokens a request gets: mean * [1 - spread, 1 + spread]."""
+    return max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+
+
 def output_lengths(count: int, mean: int, spread: float, seed: str) -> list[int]:
-    """Each request's max_tokens: `mean`, or with `spread` > 0 drawn uniformly from
-    mean * [1 - spread, 1 + spread] (as vLLM's random dataset draws them with its range ratio),
-    the same for every server: answers that end at different lengths, as real ones do, instead
-    of every request running to the same limit (see SATURATION_PROMPTS_PER_SLOT)."""
+    """Each request's max_tokens, drawn uniformly from output_range (as vLLM's random dataset
+    draws them with its range ratio; with `spread` 0, `mean` for all), the same for every
+    server: answers that end at different lengths, as real ones do, instead of every request
+    running to the same limit (see SATURATION_PROMPTS_PER_SLOT)."""
     rng = random.Random(seed)  # a str seed is stable across processes and runs
-    low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    low, high = output_range(mean, spread)
     return [rng.randint(low, high) for _ in range(count)]
 
 
@@ -720,8 +727,11 @@ def load_note(loads: list[float]) -> str:
     return f"loads {', '.join(f'{f:g}C' for f in loads)} of the plain server's capacity C and unlimited"
 
 
-def spread_note(spread: float) -> str:
-    return f" at most (each request's limit drawn from {1 - spread:g}-{1 + spread:g}x that)" if spread else ""
+def output_note(tokens: int, spread: float) -> str:
+    if not spread:
+        return f"{tokens} output tokens"
+    low, high = output_range(tokens, spread)
+    return f"at most {low}-{high} output tokens (each request's limit drawn from that range)"
 
 
 def write_summary(runs: list[Run], args, out: Path, command: str, started: str | None = None) -> None:
@@ -729,7 +739,7 @@ def write_summary(runs: list[Run], args, out: Path, command: str, started: str |
     rows = summarize(runs)
     header = (f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
               f"prompts per load point ({unlimited_sizes(runs)} at the unlimited rate), "
-              f"{args.output_tokens} output tokens{spread_note(getattr(args, 'output_spread', 0))}, "
+              f"{output_note(args.output_tokens, getattr(args, 'output_spread', 0))}, "
               f"temperature {args.temperature:g}, "
               f"{load_note(args.load)} with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
               f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"
