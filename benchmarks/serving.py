@@ -59,7 +59,8 @@ MODES = {  # model, draft model for draft_model, prompts per load point, output 
 # decoding's requests of a wave still finish together however many waves there are: the next
 # wave's prompts are prefilled while nobody decodes (first-token time, not TPOT), and a method
 # whose requests finish at different times pays each prefill inside the others' decoding.
-# `--output-spread` gives requests limits of their own, as real answers have lengths of their own.
+# So by default (`--output-spread`) each request has a token limit of its own, as real answers
+# have lengths of their own; `--output-spread 0` gives every request the same limit.
 SATURATION_PROMPTS_PER_SLOT = 6
 PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
@@ -636,9 +637,9 @@ def parse_args(argv=None):
                         help=f"prompts of the unlimited-rate run; default: {SATURATION_PROMPTS_PER_SLOT} x "
                              "--max-concurrency")
     parser.add_argument("--output-tokens", type=int, help="max_tokens of every request; default: by --mode")
-    parser.add_argument("--output-spread", type=float, default=0.0,
+    parser.add_argument("--output-spread", type=float, default=0.5,
                         help="each request's max_tokens drawn from --output-tokens x [1 - S, 1 + S] (0 <= S < 1), "
-                             "the same for every server")
+                             "the same for every server; 0: every request runs to --output-tokens")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="every server again, in reverse order each round")
     parser.add_argument("--plain-between", action=argparse.BooleanOptionalAction, default=True,

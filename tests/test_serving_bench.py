@@ -63,7 +63,8 @@ def test_output_lengths_spread_around_the_limit_the_same_for_every_server():
     assert spread == serving.output_lengths(400, 64, 0.5, "code-0")  # every server sends the same
     assert spread != serving.output_lengths(400, 64, 0.5, "code-1")
     assert min(spread) == 32 and max(spread) == 96 and abs(np.mean(spread) - 64) < 3
-    assert serving.parse_args(["--output-spread", "0.5", "--load"]).load == []  # the unlimited rate only
+    assert serving.parse_args([]).output_spread == 0.5  # answers of different lengths unless asked
+    assert serving.parse_args(["--output-spread", "0", "--load"]).load == []  # the unlimited rate only
     with pytest.raises(SystemExit):
         serving.parse_args(["--output-spread", "1"])
 
