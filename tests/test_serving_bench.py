@@ -224,6 +224,13 @@ def test_the_step_fit_replay_predicts_linear_steps_and_reports_each_kind(tmp_pat
     step_fit.main([str(path)])
     printed = capsys.readouterr().out
     assert all(label in printed for label, *_ in step_fit.KINDS) and "final fit, ms: t0" in printed
+    # What the drafts in prefill steps cost those steps: 2 ms a draft token plus 5 ms to verify.
+    prompt = np.array([s for s in steps if s[0] > 0])
+    drafts = prompt[:, 3]
+    expected = (0.002 * drafts + 0.005 * (drafts > 0)).sum()
+    draft_seconds, prompt_seconds = step_fit.draft_share_of_prompt_steps(rows, model)
+    assert draft_seconds == pytest.approx(expected, rel=0.25) and prompt_seconds == pytest.approx(prompt[:, 4].sum())
+    assert "drafts verified in steps with prompt tokens" in printed
 
 
 def test_with_plain_between_every_method_has_plain_beside_it_and_rounds_reverse():

@@ -4,7 +4,8 @@
 them (raw/*-steps.json: prompt tokens, logit rows, sampled rows, draft tokens, seconds). This
 feeds them, in order, to a fresh StepCostModel, the one the controller uses, and prints what it
 predicted for each step before seeing it against what the step took, by kind of step, then the
-fit it ended with. No engine runs.
+fit it ended with, and what the drafts verified in steps that carry prompt tokens cost those
+steps: a new prompt's first token waits for them. No engine runs.
 
     .venv/bin/python -m benchmarks.diagnostics.step_fit benchmarks/results/serving-.../raw/r0-self-admg-chat-max-steps.json
 """
@@ -39,6 +40,15 @@ def replay(steps: list[list[float]]) -> tuple[np.ndarray, StepCostModel]:
     return np.array(rows, dtype=float).reshape(-1, 6), model
 
 
+def draft_share_of_prompt_steps(rows: np.ndarray, model: StepCostModel) -> tuple[float, float]:
+    """(Seconds the drafts verified in steps with prompt tokens cost by the model's fit, seconds
+    those steps took.)"""
+    c = model.target()
+    prompt_steps = rows[rows[:, 0] > 0]
+    drafts = prompt_steps[:, 3]
+    return float((c.t_row * drafts + c.t_verify * (drafts > 0)).sum()), float(prompt_steps[:, 4].sum())
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("steps", help="a *-steps.json that benchmarks.serving saved")
@@ -55,6 +65,10 @@ def main(argv=None) -> None:
             measured, guessed = seconds[chosen].mean(), predicted[chosen].mean()
             print(f"{label} | {chosen.sum()} | {measured * 1e3:.0f} | {guessed * 1e3:.0f} | {guessed / measured:.2f}")
     print("final fit, ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in asdict(model.target()).items()))
+    drafts, total = draft_share_of_prompt_steps(rows, model)
+    if total:
+        print(f"drafts verified in steps with prompt tokens: {drafts:.2f} s of their {total:.1f} s "
+              f"({100 * drafts / total:.1f}%, by the final fit)")
 
 
 if __name__ == "__main__":
