@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.serving import capacity_points
 from vllm_selfspec.lookup import OutputHistory, lookup_draft
-
-LOAD_POINTS = ("max", "0.1C", "0.3C", "0.6C", "1.5C")  # the order a server serves them in
+from vllm_selfspec.options import make_options
 
 
 @dataclass
@@ -36,10 +36,13 @@ class Counts:
 
 
 class SelfAdmgLookup:
-    """self-admg's lookup rule: the better of the context's own draft and the history's."""
+    """self-admg's lookup rule, with its default options: the better of the context's own draft
+    and the history's."""
 
-    def __init__(self, k: int, max_match: int = 24, history_tokens: int = 1 << 16):
-        self.k, self.max_match, self.history = k, max_match, OutputHistory(history_tokens)
+    def __init__(self, k: int):
+        options = make_options({})
+        self.k, self.max_match = k, options.lookup_max_match
+        self.history = OutputHistory(options.lookup_history)
 
     def start(self, prompt: np.ndarray) -> None:
         pass
@@ -58,14 +61,20 @@ class SelfAdmgLookup:
 
 
 class SuffixMethodLookup:
-    """vLLM's `suffix` method with its defaults: the prompt's tree and the tree of every answer
-    (earlier ones and those being written)."""
+    """vLLM's `suffix` method with its defaults (SpeculativeConfig's): the prompt's tree and the
+    tree of every answer (earlier ones and those being written)."""
 
-    def __init__(self, k: int, max_depth: int = 24):
+    def __init__(self, k: int):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
+        from vllm.config import SpeculativeConfig
 
-        self.k, self.max_depth = k, max_depth
-        self.cache, self.request = SuffixDecodingCache(max_tree_depth=max_depth, max_cached_requests=10000), 0
+        default = {name: field.default for name, field in SpeculativeConfig.__dataclass_fields__.items()}
+        self.k, self.max_depth = k, default["suffix_decoding_max_tree_depth"]
+        self.spec_factor = default["suffix_decoding_max_spec_factor"]
+        self.min_prob = default["suffix_decoding_min_token_prob"]
+        self.cache = SuffixDecodingCache(max_tree_depth=self.max_depth,
+                                         max_cached_requests=default["suffix_decoding_max_cached_requests"])
+        self.request = 0
 
     def start(self, prompt: np.ndarray) -> None:
         self.request += 1
@@ -73,8 +82,8 @@ class SuffixMethodLookup:
 
     def draft(self, prompt: np.ndarray, output: np.ndarray, tokens_left: int) -> list[int]:
         pattern = np.concatenate([prompt, output])[-self.max_depth:].astype(np.int32)
-        return list(self.cache.speculate(str(self.request), pattern, max_spec_tokens=self.k, max_spec_factor=1.0,
-                                         min_token_prob=0.1).token_ids)
+        return list(self.cache.speculate(str(self.request), pattern, max_spec_tokens=self.k,
+                                         max_spec_factor=self.spec_factor, min_token_prob=self.min_prob).token_ids)
 
     def emitted(self, tokens: np.ndarray) -> None:
         self.cache.add_active_response(str(self.request), tokens.tolist())
@@ -123,10 +132,11 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens at most, as the servers' num_speculative_tokens")
     args = parser.parse_args(argv)
     environment = json.loads((args.folder / "environment.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(environment["settings"]["model_path"])
+    settings = environment["settings"]
+    tokenizer = AutoTokenizer.from_pretrained(settings["model_path"])
     rules = {"self-admg": SelfAdmgLookup(args.k), "suffix": SuffixMethodLookup(args.k)}
     print("load | rule | steps | steps with a draft | draft tokens | accepted")
-    for point in LOAD_POINTS:
+    for point in (p.label for p in capacity_points(1.0, settings["load"], cap=0)):  # the order served
         run = f"{args.server}-{args.workload}-{point}"
         if not (args.folder / "raw" / f"{run}.json").exists():
             continue
