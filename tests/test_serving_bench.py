@@ -325,3 +325,16 @@ def test_the_lookup_replay_counts_what_suffix_accepts_on_served_answers():
     from benchmarks.diagnostics import lookup_replay
 
     _assert_replay_counts(lookup_replay.SuffixMethodLookup(k=4))
+
+
+def test_the_step_split_reads_step_times_from_the_requests_served_alone():
+    from benchmarks.diagnostics import step_split
+
+    # Requests 0 and 1 overlap; 2 runs alone and streams 3 chunks of 2 tokens, 20 ms apart.
+    result = {"start_times": [0.0, 0.5, 5.0], "latencies": [1.0, 1.0, 0.1],
+              "itls": [[0.05] * 9, [0.07] * 9, [0.02, 0.02]], "output_lens": [10, 10, 6]}
+    assert step_split.alone(result["start_times"], result["latencies"]) == [2]
+    found = step_split.split(result)
+    assert (found.requests_alone, found.requests) == (1, 3)
+    assert found.step_ms == pytest.approx(20.0) and found.tokens_per_step == pytest.approx(2.0)
+    assert step_split.split({**result, "start_times": [0.0, 0.5, 0.6]}) is None  # all overlap
