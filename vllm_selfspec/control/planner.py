@@ -8,6 +8,14 @@ current rate, so the steady plan takes the best ratios while they do, and is kep
 beats plain decoding with verification's fixed cost paid. With nothing worth drafting the plan
 is plain decoding.
 
+A margin. A draft token is taken only if its gain per second beats the rate by DRAFT_MARGIN. A
+plan that only breaks even by the estimates buys no tokens per second but makes every step
+longer, and in a server a longer step delays the first token of each prompt that arrives
+during it and of each prompt it prefills. Past capacity, with dozens of rows, lookup drafts
+are break-even at best: drafting them left the time per token level and made first tokens
+later (benchmarks/NOTES.md, entry 23). At light load a draft token beats the rate many times
+over, and the margin changes little.
+
 Draining batches. The steady plan values a row's accepted token as the step time it frees for
 someone else. When no request has been admitted for a while (an offline batch finishing), a
 freed slot stays empty and the batch lasts as long as its longest row: a step is saved only when
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, token_bins
 from vllm_selfspec.control.step_costs import StepCostModel
 
+DRAFT_MARGIN = 0.2  # a draft token's gain per second must beat the step's rate by this share
 FIRST_RETRY_AFTER = 16  # steps without self-drafting before a retry; doubles after each
 LAST_RETRY_AFTER = 1024
 
@@ -100,6 +109,13 @@ class Choice:
     def rate(self) -> float:
         return self.tokens / self.seconds
 
+    def beats(self, plain: Choice) -> bool:
+        """Whether the tokens this plan adds to plain decoding's come faster than plain
+        decoding's own, by the margin."""
+        added_seconds = self.seconds - plain.seconds
+        return self.tokens > plain.tokens and (added_seconds <= 0 or (self.tokens - plain.tokens) / added_seconds
+                                               > (1 + DRAFT_MARGIN) * plain.rate)
+
 
 @dataclass
 class DraftPlanner:
@@ -156,7 +172,7 @@ class DraftPlanner:
                                          self._self_token_cost(cost, kept)) if kept else best
             if with_self.self_length and with_self.rate > best.rate:
                 best = with_self
-        if best.rate <= plain.rate:
+        if not best.beats(plain):
             best = plain
         # The retries' best case stays over every row that would rather self-draft: a retry
         # prices its own probe (_retry_pays).
@@ -207,7 +223,8 @@ class DraftPlanner:
         return best_saving > self.costs.self_step_seconds(len(retry_rows)) + probe
 
     def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0) -> Choice:
-        """Add draft tokens, best gain per second first, while each beats the step's rate so far."""
+        """Add draft tokens, best gain per second first, while each beats the step's rate so far
+        by the margin."""
         tokens, seconds = start
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
         # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
@@ -218,7 +235,7 @@ class DraftPlanner:
         if self_rows and self_budget:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
         heapq.heapify(candidates)
-        while candidates and -candidates[0][0] > tokens / seconds:
+        while candidates and -candidates[0][0] > (1 + DRAFT_MARGIN) * tokens / seconds:
             _, kind, i, depth = heapq.heappop(candidates)
             if kind == "lookup":
                 choice.lookup_lengths[i] = depth
