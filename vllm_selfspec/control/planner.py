@@ -13,7 +13,7 @@ plan that only breaks even by the estimates buys no tokens per second but makes 
 longer, and in a server a longer step delays the first token of each prompt that arrives
 during it and of each prompt it prefills. Past capacity, with dozens of rows, lookup drafts
 are break-even at best: drafting them left the time per token level and made first tokens
-later (benchmarks/NOTES.md, entry 23). At light load a draft token beats the rate many times
+later (benchmarks/NOTES.md, "past capacity, break-even drafts cost first tokens"). At light load a draft token beats the rate many times
 over, and the margin changes little.
 
 Draining batches. The steady plan values a row's accepted token as the step time it frees for
