@@ -309,17 +309,24 @@ def proposer_state(server: VllmServer, spec: Server) -> dict | None:
         return None
 
 
-def save_steps(server: VllmServer, spec: Server, before: dict | None, path: Path) -> None:
+def save_steps(server: VllmServer, before: dict | None, after: dict | None, path: Path) -> None:
     """The run's steps as a self-admg server's controller timed them (prompt tokens, logit rows,
-    sampled rows, draft tokens, seconds), to check its step-cost fit against."""
+    sampled rows, draft tokens, seconds), to check its step-cost fit against: the server keeps
+    its last few thousand steps, and this run's are the last `steps_timed` after less before."""
     import httpx
 
-    if before is None:
+    if before is None or after is None:
         return
     try:
-        path.write_text(json.dumps(server.rpc("self_admg_steps")[0]))
+        steps = server.rpc("self_admg_steps")[0]
     except (httpx.HTTPError, KeyError, IndexError):
-        pass
+        return
+    path.write_text(json.dumps(run_steps(steps, after["steps_timed"] - before["steps_timed"])))
+
+
+def run_steps(kept: list, timed_during_run: int) -> list:
+    """The steps of one run from the server's last `kept` steps."""
+    return kept[len(kept) - min(timed_during_run, len(kept)):]
 
 
 def save_run_notes(run: Run, raw: Path, slug: str) -> None:
@@ -400,9 +407,9 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
         try:
             before = proposer_state(server, spec)
             result = bench(command, out / "bench.log", run_timeout(point, len(prompts), args.run_timeout))
-            run = Run(round_, spec, workload, point, result, proposer=spent(before, proposer_state(server, spec)),
-                      slot=slot)
-            save_steps(server, spec, before, out / "raw" / f"{slug}-steps.json")
+            after = proposer_state(server, spec)
+            run = Run(round_, spec, workload, point, result, proposer=spent(before, after), slot=slot)
+            save_steps(server, before, after, out / "raw" / f"{slug}-steps.json")
         except (subprocess.SubprocessError, OSError, ValueError) as error:
             run = Run(round_, spec, workload, point, {}, error=f"{type(error).__name__}: {error}"[:300], slot=slot)
         if server.process.poll() is not None:

@@ -327,6 +327,13 @@ def test_the_lookup_replay_counts_what_suffix_accepts_on_served_answers():
     _assert_replay_counts(lookup_replay.SuffixMethodLookup(k=4))
 
 
+def test_a_runs_steps_are_the_last_the_server_timed_during_it():
+    kept = [[n] for n in range(10)]  # the server's last steps, oldest first
+    assert serving.run_steps(kept, 3) == [[7], [8], [9]]
+    assert serving.run_steps(kept, 0) == []
+    assert serving.run_steps(kept, 25) == kept  # a run longer than the server keeps: all it has
+
+
 def test_the_step_split_reads_step_times_from_the_requests_served_alone():
     from benchmarks.diagnostics import step_split
 

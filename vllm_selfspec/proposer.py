@@ -140,6 +140,7 @@ class SelfAdmgProposer:
                                          shape.draft_tokens)
             self.counters.steps.append((shape.prompt_tokens, shape.logit_rows, shape.sampled_rows,
                                         shape.draft_tokens, seconds))
+            self.counters.steps_timed += 1
         self._step_end = None
         for row in step.rows:
             made = self._drafted.get(row.req_id)

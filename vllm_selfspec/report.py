@@ -32,6 +32,7 @@ class ProposerCounters:
     # The last steps as the controller saw them: (prompt tokens, logit rows, sampled logit
     # rows, draft tokens, seconds), to check its cost model against.
     steps: deque = field(default_factory=lambda: deque(maxlen=4096))
+    steps_timed: int = 0  # every step ever appended to `steps`: a run's own are the last (after - before)
 
 
 def prompt_key(prompt_token_ids) -> str:
