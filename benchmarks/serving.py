@@ -65,7 +65,8 @@ SATURATION_PROMPTS_PER_SLOT = 6
 PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
 PROPOSER_COUNTERS = ("prompts_measured", "probe_seconds", "draft_steps", "draft_tokens", "draft_seconds",
-                     "lookup_tokens", "faults", "propose_calls", "propose_seconds")
+                     "lookup_tokens", "lookup_accepted", "lookup_expected", "faults", "propose_calls",
+                     "propose_seconds")
 PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     # (None where the run's server did not count it: folders from before a counter existed.)
     "probe_s": lambda p: p.get("probe_seconds"),
@@ -74,6 +75,9 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     # The proposer's own time per step (lookup, planning, probes and self-drafts), which every
     # step waits for.
     "propose_ms_per_step": lambda p: 1000 * p["propose_seconds"] / p["propose_calls"] if p.get("propose_calls") else None,
+    # Lookup tokens accepted over those the planner expected to be: below 1, it drafts on
+    # hopes that verification does not bear out.
+    "lookup_accepted_x_expected": lambda p: p["lookup_accepted"] / p["lookup_expected"] if p.get("lookup_expected") else None,
 }
 
 

@@ -43,6 +43,7 @@ class DraftMade:
     source: DraftSource
     length: int
     bins: list  # its lookup tokens' calibration (control.acceptance.BinPrior)
+    expected: float = 0.0  # lookup tokens the planner expected to be accepted
 
 
 class SelfAdmgProposer:
@@ -116,7 +117,8 @@ class SelfAdmgProposer:
         for row, offer, (source, draft), length in zip(rows, offers, found, plan.lookup_lengths):
             if length:
                 drafts[row.index] = [int(t) for t in draft.tokens[:length]]
-                self._drafted[row.req_id] = DraftMade(source, length, self.controller.calibration(offer, length))
+                self._drafted[row.req_id] = DraftMade(source, length, self.controller.calibration(offer, length),
+                                                      self.controller.expected_accepted(offer, length))
                 self.counters.lookup_tokens += length
                 self.counters.history_tokens += length if source == DraftSource.HISTORY else 0
         self_rows = [(row, budget) for row, budget, chosen in zip(rows, budgets, plan.self_rows) if chosen]
@@ -145,8 +147,11 @@ class SelfAdmgProposer:
         for row in step.rows:
             made = self._drafted.get(row.req_id)
             if made:
-                self.controller.observe_draft(row.req_id, made.source, made.length, step.accepted(row.index),
-                                              made.bins)
+                accepted = step.accepted(row.index)
+                self.controller.observe_draft(row.req_id, made.source, made.length, accepted, made.bins)
+                if made.source != DraftSource.SELF:
+                    self.counters.lookup_accepted += min(accepted, made.length)
+                    self.counters.lookup_expected += made.expected
         self._drafted = {}
 
     def _draft_budget(self, tokens_left: int | None) -> int:

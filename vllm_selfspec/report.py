@@ -26,6 +26,10 @@ class ProposerCounters:
     propose_seconds: float = 0.0  # its own time in them, probes and self-drafts included
     lookup_tokens: int = 0  # from lookup, own context or history
     history_tokens: int = 0  # of which from earlier requests' outputs
+    # Of the lookup tokens verified, those accepted and those the planner expected to be: a
+    # planner that expects too many takes drafts that do not pay.
+    lookup_accepted: int = 0
+    lookup_expected: float = 0.0
     # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
     # MLP similarity, mask). Bounded, so a long-running server does not grow it.
     measurements: deque = field(default_factory=lambda: deque(maxlen=4096))

@@ -53,3 +53,8 @@ class DraftController:
 
     def calibration(self, offer: RowOffer, length: int | None = None) -> list[BinPrior]:
         return self.acceptance.calibration(offer, length)
+
+    def expected_accepted(self, offer: RowOffer, length: int) -> float:
+        """The tokens of the first `length` of a row's lookup draft that the planner expects
+        verification to accept: checked against what it does accept, under any load."""
+        return float(sum(self.acceptance.lookup_gains(offer)[:length]))
