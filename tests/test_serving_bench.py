@@ -334,6 +334,19 @@ def test_a_runs_steps_are_the_last_the_server_timed_during_it():
     assert serving.run_steps(kept, 25) == kept  # a run longer than the server keeps: all it has
 
 
+def test_first_token_wait_splits_at_the_end_of_the_step_in_progress():
+    from benchmarks.diagnostics import first_token_wait
+
+    # Request 0 finds the engine idle and streams at the ends of steps at 0.1, 0.2, 0.3 and 0.4 s;
+    # request 1 arrives at 0.25 s, waits 50 ms for the step in progress, then 100 ms in its own.
+    result = {"start_times": [0.0, 0.25], "ttfts": [0.1, 0.15], "itls": [[0.1, 0.1, 0.1], []]}
+    assert first_token_wait.step_ends(result) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    found = first_token_wait.first_token_wait(result)
+    assert found.steps == 4 and found.step_ms == pytest.approx(100.0)
+    assert found.in_progress_ms == pytest.approx(25.0) and found.own_step_ms == pytest.approx(100.0)
+    assert found.ttft_ms == pytest.approx(found.in_progress_ms + found.own_step_ms)
+
+
 def test_the_step_split_reads_step_times_from_the_requests_served_alone():
     from benchmarks.diagnostics import step_split
 
