@@ -65,7 +65,7 @@ SATURATION_PROMPTS_PER_SLOT = 6
 PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
 PROPOSER_COUNTERS = ("prompts_measured", "probe_seconds", "draft_steps", "draft_tokens", "draft_seconds",
-                     "lookup_tokens", "lookup_accepted", "lookup_expected", "faults", "propose_calls",
+                     "lookup_tokens", "lookup_accepted", "lookup_expected", "lookup_estimated", "faults", "propose_calls",
                      "propose_seconds")
 PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     # (None where the run's server did not count it: folders from before a counter existed.)
@@ -78,6 +78,9 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     # Lookup tokens accepted over those the planner expected to be: below 1, it drafts on
     # hopes that verification does not bear out.
     "lookup_accepted_x_expected": lambda p: p["lookup_accepted"] / p["lookup_expected"] if p.get("lookup_expected") else None,
+    # The same against the estimates before the planner scaled them by what verification bore
+    # out: how far choosing among noisy estimates overrates the drafts chosen.
+    "lookup_accepted_x_estimated": lambda p: p["lookup_accepted"] / p["lookup_estimated"] if p.get("lookup_estimated") else None,
 }
 
 

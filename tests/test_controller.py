@@ -258,6 +258,48 @@ def test_a_draft_that_only_breaks_even_is_not_made():
         assert (sum(plan.lookup_lengths) > 0) == drafts
 
 
+def observe_shares(calibration, accepted_share: float, drafts: int = 2000) -> None:
+    """One-token drafts estimated at 1, accepted_share of them accepted, evenly spread."""
+    for k in range(drafts):
+        calibration.observe(expected=1.0, accepted=int((k + 1) * accepted_share) - int(k * accepted_share))
+
+
+def test_estimate_calibration_follows_what_verification_accepts_of_the_drafts_chosen():
+    from vllm_selfspec.control.acceptance import EstimateCalibration
+
+    calibration = EstimateCalibration()
+    assert calibration.factor == 1.0  # nothing verified yet: the estimates as they are
+    observe_shares(calibration, 0.85)
+    assert calibration.factor == pytest.approx(0.85, abs=0.01)
+    calibration.observe(expected=0.0, accepted=0)  # a draft nobody estimated teaches nothing
+    assert calibration.factor == pytest.approx(0.85, abs=0.01)
+    observe_shares(calibration, 1.0)  # the load changes: estimates borne out again
+    assert calibration.factor == pytest.approx(1.0, abs=0.01)
+    observe_shares(calibration, 0.0)
+    assert calibration.factor == calibration.limits[0]
+
+
+def test_a_draft_that_beats_the_margin_only_by_estimates_verification_does_not_bear_out_is_not_made():
+    """With dozens of rows a step the planner chooses among many noisy estimates, and the ones
+    it chooses are too high: past capacity the drafts taken were accepted 0.85x as often as
+    estimated, and drafts that beat the margin by the estimates only broke even. Scaled by what
+    verification bears out, they are not made; estimates borne out keep them."""
+    from vllm_selfspec.control.planner import DRAFT_MARGIN
+
+    t0, t1 = 0.03, 0.002  # 45 rows: a 120 ms step, 375 tokens a second; a draft token 2 ms
+    rate = 45 / (t0 + 45 * t1)
+    estimate = rate * t1 * (1 + 1.5 * DRAFT_MARGIN)  # beats the margin by its estimate
+    for accepted_share, drafts in ((1.0, True), (0.85, False)):
+        controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=estimate, self_rate=0.1)
+        observe_shares(controller.acceptance.calibration_by_source[DraftSource.LOOKUP], accepted_share)
+        offers = lookup_rows(*[1] * 45)
+        assert controller.expected_accepted(offers[0], 1, scaled=False) == pytest.approx(estimate)
+        assert controller.expected_accepted(offers[0], 1) == pytest.approx(estimate * accepted_share, rel=0.02)
+        assert (sum(controller.plan(offers, self_budget=0).lookup_lengths) > 0) == drafts
+        # History drafts are calibrated on their own.
+        assert controller.acceptance.calibration_by_source[DraftSource.HISTORY].factor == 1.0
+
+
 def test_expensive_verification_turns_drafting_off():
     """Large batches on CPU: each extra verified token costs nearly as much as a row's token."""
     controller = trained(t0=0.1, t1=0.03, self_step=0.5, lookup_rate=0.5, self_rate=0.5)

@@ -265,6 +265,7 @@ def test_default_hybrid_is_lossless(tiny_model_path, tiny_prompt_ids, plain_ids)
         # Of the lookup tokens verified, some were accepted, and the planner expected some.
         assert 0 < report["lookup_accepted"] <= report["lookup_tokens"]
         assert 0 < report["lookup_expected"] <= report["lookup_tokens"]
+        assert 0 < report["lookup_estimated"] <= report["lookup_tokens"]
         assert spec_counters(llm)["num_draft_tokens"] >= report["lookup_tokens"]
         # Asked again, the earlier answers offer surer drafts than the rows' own contexts.
         assert token_ids(generate(llm, tiny_prompt_ids[:1])) == plain_ids[:1]

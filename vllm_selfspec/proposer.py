@@ -43,7 +43,8 @@ class DraftMade:
     source: DraftSource
     length: int
     bins: list  # its lookup tokens' calibration (control.acceptance.BinPrior)
-    expected: float = 0.0  # lookup tokens the planner expected to be accepted
+    expected: float = 0.0  # lookup tokens the planner expected to be accepted, as it planned
+    estimated: float = 0.0  # the same before its calibration scaled them (what that learns from)
 
 
 class SelfAdmgProposer:
@@ -118,7 +119,8 @@ class SelfAdmgProposer:
             if length:
                 drafts[row.index] = [int(t) for t in draft.tokens[:length]]
                 self._drafted[row.req_id] = DraftMade(source, length, self.controller.calibration(offer, length),
-                                                      self.controller.expected_accepted(offer, length))
+                                                      self.controller.expected_accepted(offer, length),
+                                                      self.controller.expected_accepted(offer, length, scaled=False))
                 self.counters.lookup_tokens += length
                 self.counters.history_tokens += length if source == DraftSource.HISTORY else 0
         self_rows = [(row, budget) for row, budget, chosen in zip(rows, budgets, plan.self_rows) if chosen]
@@ -148,10 +150,11 @@ class SelfAdmgProposer:
             made = self._drafted.get(row.req_id)
             if made:
                 accepted = step.accepted(row.index)
-                self.controller.observe_draft(row.req_id, made.source, made.length, accepted, made.bins)
+                self.controller.observe_draft(row.req_id, made.source, made.length, accepted, made.bins, made.estimated)
                 if made.source != DraftSource.SELF:
                     self.counters.lookup_accepted += min(accepted, made.length)
                     self.counters.lookup_expected += made.expected
+                    self.counters.lookup_estimated += made.estimated
         self._drafted = {}
 
     def _draft_budget(self, tokens_left: int | None) -> int:

@@ -30,6 +30,7 @@ class ProposerCounters:
     # planner that expects too many takes drafts that do not pay.
     lookup_accepted: int = 0
     lookup_expected: float = 0.0
+    lookup_estimated: float = 0.0  # the same before the planner's calibration scaled them
     # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
     # MLP similarity, mask). Bounded, so a long-running server does not grow it.
     measurements: deque = field(default_factory=lambda: deque(maxlen=4096))

@@ -42,11 +42,11 @@ def install_log(worker) -> None:
                                      t_verify=step.t_verify, self_length=result.self_length, rows=rows))
         return result
 
-    def logged_observe_draft(req_id, source, drafted, accepted, bins=()):
+    def logged_observe_draft(req_id, source, drafted, accepted, bins=(), estimated=0.0):
         log["outcomes"].append(dict(req=req_id, source=str(getattr(source, "value", source)), drafted=drafted,
                                     accepted=accepted,
                                     plan=len(log["plans"])))
-        return observe_draft(req_id, source, drafted, accepted, bins)
+        return observe_draft(req_id, source, drafted, accepted, bins, estimated)
 
     controller.plan, controller.observe_draft = logged_plan, logged_observe_draft
     worker.model_runner.drafter._calibration_log = log

@@ -41,8 +41,8 @@ class DraftController:
         self.costs.observe_probe(rows, seconds)
 
     def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int,
-                      bins: list[BinPrior] = ()) -> None:
-        self.acceptance.observe_draft(req_id, source, drafted, accepted, bins)
+                      bins: list[BinPrior] = (), estimated: float = 0.0) -> None:
+        self.acceptance.observe_draft(req_id, source, drafted, accepted, bins, estimated)
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)
@@ -54,7 +54,8 @@ class DraftController:
     def calibration(self, offer: RowOffer, length: int | None = None) -> list[BinPrior]:
         return self.acceptance.calibration(offer, length)
 
-    def expected_accepted(self, offer: RowOffer, length: int) -> float:
+    def expected_accepted(self, offer: RowOffer, length: int, scaled: bool = True) -> float:
         """The tokens of the first `length` of a row's lookup draft that the planner expects
-        verification to accept: checked against what it does accept, under any load."""
-        return float(sum(self.acceptance.lookup_gains(offer)[:length]))
+        verification to accept (`scaled`: as it plans with them; unscaled: what its
+        calibration learns from)."""
+        return float(sum(self.acceptance.lookup_gains(offer, scaled)[:length]))

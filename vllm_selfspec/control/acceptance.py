@@ -5,6 +5,12 @@ Bernoulli trials. Lookup and history rates are also kept per request (code and p
 their context very differently) and per token bin: a lookup draft says how sure each token is
 (how many earlier occurrences agree, how long a match they share), and a bin's rate is learned
 from the tokens drafted in it, starting from that agreement share.
+
+Last, each lookup source's estimates are scaled by how far verification bears out the drafts
+the planner chose by them (`EstimateCalibration`). Choosing the best of many noisy estimates
+picks those estimated too high: with one row a step the drafts taken were accepted about as
+often as estimated, with 16 rows only 0.85x as often (benchmarks/NOTES.md, "The open targets
+measured in rounds"), and drafts the planner took as paying by a margin only broke even.
 """
 
 from __future__ import annotations
@@ -94,12 +100,41 @@ def default_rates() -> dict[DraftSource, AcceptanceRate]:
 
 
 @dataclass
+class EstimateCalibration:
+    """Lookup tokens accepted over those the planner's unscaled estimates expected, over the
+    drafts it chose: the factor its estimates are scaled by. Pseudo-counts start it at 1;
+    observations fade, so that it follows the load (how many rows a step chooses among)."""
+
+    decay: float = 0.995  # per draft verified: at 16 rows a step, the last dozen or so steps
+    pseudo_tokens: float = 8.0
+    limits: tuple[float, float] = (0.5, 1.5)
+    accepted: Decayed = field(init=False)
+    expected: Decayed = field(init=False)
+
+    def __post_init__(self):
+        self.accepted, self.expected = Decayed(self.decay, self.pseudo_tokens), Decayed(self.decay, self.pseudo_tokens)
+
+    def observe(self, expected: float, accepted: int) -> None:
+        if expected > 0:
+            self.accepted.add(accepted)
+            self.expected.add(expected)
+
+    @property
+    def factor(self) -> float:
+        low, high = self.limits
+        return min(max(self.accepted.value / self.expected.value, low), high)
+
+
+@dataclass
 class AcceptanceModel:
     rates: dict[DraftSource, AcceptanceRate] = field(default_factory=default_rates)
     # Lookup acceptance per request and source (prior: the source's overall rate).
     _by_request: dict[tuple[str, DraftSource], AcceptanceRate] = field(default_factory=dict)
     # Lookup acceptance per token bin (prior: the agreement share of its first token).
     _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
+    # Per lookup source, verification's outcome over the unscaled estimates of the drafts chosen.
+    calibration_by_source: dict[DraftSource, EstimateCalibration] = field(
+        default_factory=lambda: {DraftSource.LOOKUP: EstimateCalibration(), DraftSource.HISTORY: EstimateCalibration()})
 
     def rate(self, source: str) -> float:
         return self.rates[DraftSource(source)].rate
@@ -109,13 +144,15 @@ class AcceptanceModel:
         return self.rates[DraftSource.SELF].rate
 
     def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int,
-                      bins: list[BinPrior] = ()) -> None:
+                      bins: list[BinPrior] = (), estimated: float = 0.0) -> None:
         """What verification made of a row's draft from `source`, with its lookup tokens'
-        calibration (`calibration`)."""
+        calibration (`calibration`) and the tokens their unscaled estimates expected accepted
+        (`lookup_gains(..., scaled=False)`)."""
         source = DraftSource(source)
         overall = self.rates[source]
         overall.observe(drafted, accepted)
         if source != DraftSource.SELF:
+            self.calibration_by_source[source].observe(estimated, min(accepted, drafted))
             key = (req_id, source)
             if key not in self._by_request:
                 self._by_request[key] = AcceptanceRate(prior=overall.rate, decay=0.95)
@@ -142,16 +179,21 @@ class AcceptanceModel:
         shares = agreement(offer.lookup_probs) or [self.rate(offer.lookup_source)] * offer.lookup_tokens
         return [BinPrior(b, p) for b, p in zip(offer.lookup_bins[:length], shares[:length])]
 
-    def lookup_gains(self, offer) -> list[float]:
+    def lookup_gains(self, offer, scaled: bool = True) -> list[float]:
         """Expected tokens from each depth j of a row's lookup draft: the chance that its first
         j tokens are all accepted, the product of each token's rate, scaled by how this
-        request's drafts fare against its source's. Never rises with depth. A token's rate is
+        request's drafts fare against its source's, and then (`scaled`) by how the source's
+        chosen drafts fare against these estimates. Never rises with depth. A token's rate is
         its bin's; in a bin not seen yet, its prior, not the source's overall rate, which weak
         drafts drag down."""
-        request = self.lookup_rate(offer.req_id, offer.lookup_source) / self.rate(offer.lookup_source)
+        source = DraftSource(offer.lookup_source)
+        request = self.lookup_rate(offer.req_id, source) / self.rate(source)
         gains, gain = [], 1.0
         for token in self.calibration(offer):
             rate = self._by_bin[token.bin].rate if token.bin in self._by_bin else token.prior
             gain *= min(rate * request, 0.999)
             gains.append(gain)
+        if scaled:
+            factor = self.calibration_by_source[source].factor
+            gains = [min(g * factor, 0.999) for g in gains]
         return gains
