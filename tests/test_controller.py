@@ -291,13 +291,13 @@ def test_a_draft_that_beats_the_margin_only_by_estimates_verification_does_not_b
     estimate = rate * t1 * (1 + 1.5 * DRAFT_MARGIN)  # beats the margin by its estimate
     for accepted_share, drafts in ((1.0, True), (0.85, False)):
         controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=estimate, self_rate=0.1)
-        observe_shares(controller.acceptance.calibration_by_source[DraftSource.LOOKUP], accepted_share)
+        observe_shares(controller.acceptance.estimate_calibration[DraftSource.LOOKUP], accepted_share)
         offers = lookup_rows(*[1] * 45)
         assert controller.expected_accepted(offers[0], 1, scaled=False) == pytest.approx(estimate)
         assert controller.expected_accepted(offers[0], 1) == pytest.approx(estimate * accepted_share, rel=0.02)
         assert (sum(controller.plan(offers, self_budget=0).lookup_lengths) > 0) == drafts
         # History drafts are calibrated on their own.
-        assert controller.acceptance.calibration_by_source[DraftSource.HISTORY].factor == 1.0
+        assert controller.acceptance.estimate_calibration[DraftSource.HISTORY].factor == 1.0
 
 
 def test_expensive_verification_turns_drafting_off():
