@@ -109,8 +109,8 @@ def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere()
     assert gains == pytest.approx([0.75, 0.75 * 0.999])
     # What the proposer counts against verification's outcome: the gains of the tokens it drafts.
     offer = RowOffer("a", lookup_tokens=2, lookup_probs=(0.75, 0.75), lookup_match=5)
-    assert controller.expected_accepted(offer, 1) == pytest.approx(0.75)
-    assert controller.expected_accepted(offer, 2) == pytest.approx(sum(gains))
+    assert controller.expected_accepted(offer, 1).planned == pytest.approx(0.75)
+    assert controller.expected_accepted(offer, 2).planned == pytest.approx(sum(gains))
 
 
 def test_acceptance_rate_counts_trials_up_to_the_first_rejection():
@@ -293,8 +293,9 @@ def test_a_draft_that_beats_the_margin_only_by_estimates_verification_does_not_b
         controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=estimate, self_rate=0.1)
         observe_shares(controller.acceptance.estimate_calibration[DraftSource.LOOKUP], accepted_share)
         offers = lookup_rows(*[1] * 45)
-        assert controller.expected_accepted(offers[0], 1, scaled=False) == pytest.approx(estimate)
-        assert controller.expected_accepted(offers[0], 1) == pytest.approx(estimate * accepted_share, rel=0.02)
+        expectation = controller.expected_accepted(offers[0], 1)
+        assert expectation.estimated == pytest.approx(estimate)
+        assert expectation.planned == pytest.approx(estimate * accepted_share, rel=0.02)
         assert (sum(controller.plan(offers, self_budget=0).lookup_lengths) > 0) == drafts
         # History drafts are calibrated on their own.
         assert controller.acceptance.estimate_calibration[DraftSource.HISTORY].factor == 1.0

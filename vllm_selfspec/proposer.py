@@ -118,9 +118,9 @@ class SelfAdmgProposer:
         for row, offer, (source, draft), length in zip(rows, offers, found, plan.lookup_lengths):
             if length:
                 drafts[row.index] = [int(t) for t in draft.tokens[:length]]
+                expectation = self.controller.expected_accepted(offer, length)
                 self._drafted[row.req_id] = DraftMade(source, length, self.controller.calibration(offer, length),
-                                                      self.controller.expected_accepted(offer, length),
-                                                      self.controller.expected_accepted(offer, length, scaled=False))
+                                                      expectation.planned, expectation.estimated)
                 self.counters.lookup_tokens += length
                 self.counters.history_tokens += length if source == DraftSource.HISTORY else 0
         self_rows = [(row, budget) for row, budget, chosen in zip(rows, budgets, plan.self_rows) if chosen]

@@ -17,7 +17,16 @@ from vllm_selfspec.control.acceptance import AcceptanceModel, AcceptanceRate, Bi
 from vllm_selfspec.control.planner import DraftPlan, DraftPlanner, RowOffer
 from vllm_selfspec.control.step_costs import StepCostModel
 
-__all__ = ["AcceptanceRate", "BinPrior", "DraftController", "DraftPlan", "DraftSource", "RowOffer"]
+__all__ = ["AcceptanceRate", "BinPrior", "DraftController", "DraftPlan", "DraftSource", "LookupExpectation",
+           "RowOffer"]
+
+
+@dataclass(frozen=True)
+class LookupExpectation:
+    """The tokens of a lookup draft the planner expects to be accepted."""
+
+    planned: float  # scaled by what verification bears out, as the planner plans with them
+    estimated: float  # before that scaling: what the scaling learns from
 
 
 @dataclass
@@ -54,8 +63,9 @@ class DraftController:
     def calibration(self, offer: RowOffer, length: int | None = None) -> list[BinPrior]:
         return self.acceptance.calibration(offer, length)
 
-    def expected_accepted(self, offer: RowOffer, length: int, scaled: bool = True) -> float:
+    def expected_accepted(self, offer: RowOffer, length: int) -> LookupExpectation:
         """The tokens of the first `length` of a row's lookup draft that the planner expects
-        verification to accept (`scaled`: as it plans with them; unscaled: what its
-        calibration learns from)."""
-        return float(sum(self.acceptance.lookup_gains(offer, scaled)[:length]))
+        verification to accept, as it plans with them and unscaled."""
+        estimates = self.acceptance.lookup_gains(offer, scaled=False)[:length]
+        return LookupExpectation(float(sum(self.acceptance.scaled(offer.lookup_source, estimates))),
+                                 float(sum(estimates)))

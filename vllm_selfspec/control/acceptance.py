@@ -194,7 +194,9 @@ class AcceptanceModel:
             rate = self._by_bin[token.bin].rate if token.bin in self._by_bin else token.prior
             gain *= min(rate * request, 0.999)
             gains.append(gain)
-        if scaled:
-            factor = self.estimate_calibration[source].factor
-            gains = [min(g * factor, 0.999) for g in gains]
-        return gains
+        return self.scaled(source, gains) if scaled else gains
+
+    def scaled(self, source: str, estimates: list[float]) -> list[float]:
+        """A lookup source's unscaled gains, scaled by what verification bears out of them."""
+        factor = self.estimate_calibration[DraftSource(source)].factor
+        return [min(g * factor, 0.999) for g in estimates]
