@@ -26,6 +26,6 @@ bench-full: $(STAMP)
 	$(VENV)/bin/python -m pip install -q -e ".[bench]"
 	LD_PRELOAD=$$(ls $(IOMP) 2>/dev/null) $(VENV)/bin/python -m benchmarks.run --mode full
 
-$(STAMP): pyproject.toml scripts/setup.sh vllm_selfspec/vllm_compat/cpu_install.py
+$(STAMP): pyproject.toml scripts/setup.sh scripts/cpu_install.py
 	bash scripts/setup.sh
 	touch $@

@@ -13,5 +13,5 @@ if [ "$target" = cpu ]; then
     "${pip[@]}" "torch==2.13.0"
 fi
 "${pip[@]}" -e ".[$target,test]"
-.venv/bin/python -m vllm_selfspec.vllm_compat.cpu_install
+.venv/bin/python scripts/cpu_install.py
 .venv/bin/python -c "import vllm, vllm_selfspec.plugin as p; p.register(); print('vllm', vllm.__version__, 'with vllm-selfspec ready')"

