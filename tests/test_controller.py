@@ -71,6 +71,25 @@ def test_the_compiled_lookup_drafts_what_the_rule_in_numpy_drafts():
     assert drafts > 1000 and long_matches > 20  # mostly drafts compared, some of long matches
 
 
+def test_lookup_work_is_bounded_by_its_caps_whatever_the_context():
+    """A hostile context (one token repeated, as long as a model serves) is followed through at
+    most MAX_OCCURRENCES_FOLLOWED occurrences, the same draft as a context just long enough to
+    hold them: without the caps the probabilities would count every earlier occurrence and the
+    work would grow with the context."""
+    from vllm_selfspec.lookup import MAX_OCCURRENCES_FOLLOWED, MAX_OCCURRENCES_SCANNED
+
+    hostile = suffix_draft(np.full(200_000, 7), max_tokens=4)
+    followed = MAX_OCCURRENCES_FOLLOWED
+    assert hostile.tokens.tolist() == [7] * 4
+    assert hostile.probs[0] == followed / (followed + 1)
+    assert MAX_OCCURRENCES_FOLLOWED <= MAX_OCCURRENCES_SCANNED
+    # The same holds for a history of earlier outputs (whose latest occurrence ends the output,
+    # so nothing follows it).
+    history = OutputHistory(max_tokens=300_000)
+    history.add(np.full(200_000, 7))
+    assert history.draft(np.full(30, 7), max_tokens=4, max_match=24).probs[0] == (followed - 1) / (followed + 1)
+
+
 def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():
     history = OutputHistory(max_tokens=12)
     for output in ([1, 2, 3], [1, 2, 4], [1, 2, 4]):

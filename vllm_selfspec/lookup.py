@@ -7,7 +7,8 @@ with the model itself otherwise (`vllm_selfspec.control` decides how much of eac
 
 The rule is suffix decoding's (Oliaro et al., 2024; vLLM's `suffix` method, arctic-inference's
 `SuffixDecodingCache` with a single path), computed here by a scan of the context or history,
-with no suffix tree, compiled by numba (every row looks up every step):
+with no suffix tree, compiled by numba (every row looks up every step), its work bounded by
+caps on the occurrences it examines (below):
   * every match length m = 1..max_match of the context's last tokens is considered;
   * the draft follows, token by token, the most frequent continuation of the earlier
     occurrences of those m tokens (ties: the most recent occurrence, which follows local
@@ -73,6 +74,40 @@ def _compiled(function):
         return numba.njit(function)
 
 
+# Bounds on one lookup's work, whatever the context or history. A context of one repeated token
+# has an occurrence of its last token at every position, and following all of them costs time
+# that grows with the context (tens of milliseconds per row at a few thousand tokens), on every
+# step of every request in the batch. Ordinary contexts have far fewer occurrences than these
+# caps, so their drafts are unchanged; past them, the most recent occurrences are measured and
+# the longest matches among those followed, which are the ones a draft's probabilities rest on.
+MAX_OCCURRENCES_SCANNED = 4096  # the most recent occurrences of the last token whose match is measured
+MAX_OCCURRENCES_FOLLOWED = 256  # of those, the longest matches (most recent among equals) followed
+
+
+@_compiled
+def _recent_occurrences(corpus, limit, token, cap):
+    """Positions before `limit` holding `token`, the most recent `cap` of them, in corpus order."""
+    found = np.empty(min(cap, limit), dtype=np.int64)
+    count = 0
+    for position in range(limit - 1, -1, -1):
+        if corpus[position] == token:
+            found[count] = position
+            count += 1
+            if count == cap:
+                break
+    return found[:count][::-1].copy()
+
+
+@_compiled
+def _longest_matches(ends, lengths, cap):
+    """The `cap` occurrences with the longest matches (the most recent among equals), in corpus order."""
+    # Most recent first, then a stable sort by length, longest first.
+    newest_first = np.arange(len(ends) - 1, -1, -1)
+    order = newest_first[np.argsort(-lengths[newest_first], kind="mergesort")][:cap]
+    order.sort()
+    return ends[order], lengths[order]
+
+
 # Every lookup runs on the step's critical path, for every row, over up to the whole history:
 # compiled, a history lookup costs a fraction of what the same rule costs in numpy calls. The
 # loops below are the rule in the module docstring, step by step.
@@ -86,7 +121,7 @@ def _suffix_draft(context, corpus, max_tokens, max_match, min_prob):
     limit = end - 1  # an occurrence needs a token after it
     if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
         return no_draft
-    ends = np.flatnonzero(corpus[:limit] == context[n - 1])
+    ends = _recent_occurrences(corpus, limit, context[n - 1], MAX_OCCURRENCES_SCANNED)
     if len(ends) == 0:
         return no_draft
     # lengths[i]: how many of the context's last tokens match the corpus, ending at ends[i].
@@ -97,6 +132,8 @@ def _suffix_draft(context, corpus, max_tokens, max_match, min_prob):
         while k < longest and ends[i] - k >= 0 and corpus[ends[i] - k] == context[n - 1 - k]:
             k += 1
         lengths[i] = k
+    if len(ends) > MAX_OCCURRENCES_FOLLOWED:
+        ends, lengths = _longest_matches(ends, lengths, MAX_OCCURRENCES_FOLLOWED)
     best_tokens, best_probs, best_match, best_score = no_draft[0], no_draft[1], 0, 0.0
     # The occurrences change only at the distinct lengths, and the longest m of a run allows the
     # longest draft with the same probabilities, so only those m are tried (ascending, so that a
