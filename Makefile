@@ -1,4 +1,4 @@
-# make demo: set up .venv and run the demo; make test: set up .venv and run the tests.
+# make demo: set up .venv and run the demo; make test: set up .venv and run the tests; make lint: ruff.
 # The lab (benchmarks/) is not installed: its modules run from this directory with `python -m`.
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -8,12 +8,16 @@ IOMP := $(abspath $(VENV))/lib/libiomp5.so
 # The commands bind vLLM's CPU worker to every core themselves (benchmarks/engine.py,
 # bind_worker_cores); VLLM_CPU_OMP_THREADS_BIND=auto restores vLLM's default binding.
 
-.PHONY: demo test setup bench bench-full
+.PHONY: demo test lint setup bench bench-full
 demo: $(STAMP)
 	LD_PRELOAD=$$(ls $(IOMP) 2>/dev/null) $(VENV)/bin/python -m benchmarks.demo
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+# The linter over the whole tree (configured in pyproject.toml; .ci/run runs it before the tests).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 setup: $(STAMP)
 

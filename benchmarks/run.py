@@ -504,7 +504,8 @@ def plot(rows: list[dict], ablations: list[dict], out: Path, baseline: str = "pl
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in ablations:
             ax.scatter(r["mean_acceptance_length"] or 1, r["speedup"])
-            ax.annotate(r["method"].removeprefix("ablation: "), (r["mean_acceptance_length"] or 1, r["speedup"]), fontsize=6)
+            ax.annotate(r["method"].removeprefix("ablation: "), (r["mean_acceptance_length"] or 1, r["speedup"]),
+                        fontsize=6)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xlabel("mean acceptance length")
         ax.set_ylabel("speedup over plain decoding")
@@ -609,7 +610,8 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
         writer.writeheader()
         writer.writerows(rows + ablation_rows)
     header = (f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
-              f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); {env['cpus']} CPUs ({env['processor']}, {env['machine']}), vLLM {env['vllm']}, "
+              f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); "
+              f"{env['cpus']} CPUs ({env['processor']}, {env['machine']}), vLLM {env['vllm']}, "
               f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
               f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
               f"Command: `{' '.join(['python -m benchmarks.run', *sys.argv[1:]])}`\n")

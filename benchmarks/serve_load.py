@@ -56,10 +56,10 @@ class VllmServer:
         self.log_path, self.env, self.startup_timeout = Path(log_path), env or {}, startup_timeout
         self.model = str(model)
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start().wait_until_healthy()
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         """Launch without waiting (several servers can then start at once)."""
         self.port = free_port()
         self._log = open(self.log_path, "w")
@@ -68,7 +68,7 @@ class VllmServer:
             env={**os.environ, **self.env}, start_new_session=True)
         return self
 
-    def wait_until_healthy(self) -> "VllmServer":
+    def wait_until_healthy(self) -> VllmServer:
         import httpx
 
         deadline = time.monotonic() + self.startup_timeout

@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import itertools
 import datetime as dt
+import itertools
 import json
 import math
 import random
@@ -65,8 +65,8 @@ SATURATION_PROMPTS_PER_SLOT = 6
 PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
 PROPOSER_COUNTERS = ("prompts_measured", "probe_seconds", "draft_steps", "draft_tokens", "draft_seconds",
-                     "lookup_tokens", "lookup_accepted", "lookup_expected", "lookup_estimated", "faults", "propose_calls",
-                     "propose_seconds")
+                     "lookup_tokens", "lookup_accepted", "lookup_expected", "lookup_estimated", "faults",
+                     "propose_calls", "propose_seconds")
 PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     # (None where the run's server did not count it: folders from before a counter existed.)
     "probe_s": lambda p: p.get("probe_seconds"),
@@ -74,13 +74,16 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     "self_draft_tokens": lambda p: p.get("draft_tokens"),
     # The proposer's own time per step (lookup, planning, probes and self-drafts), which every
     # step waits for.
-    "propose_ms_per_step": lambda p: 1000 * p["propose_seconds"] / p["propose_calls"] if p.get("propose_calls") else None,
+    "propose_ms_per_step": lambda p: (1000 * p["propose_seconds"] / p["propose_calls"]
+                                      if p.get("propose_calls") else None),
     # Lookup tokens accepted over those the planner expected to be: below 1, it drafts on
     # hopes that verification does not bear out.
-    "lookup_accepted_x_expected": lambda p: p["lookup_accepted"] / p["lookup_expected"] if p.get("lookup_expected") else None,
+    "lookup_accepted_x_expected": lambda p: (p["lookup_accepted"] / p["lookup_expected"]
+                                             if p.get("lookup_expected") else None),
     # The same against the estimates before the planner scaled them by what verification bore
     # out: how far choosing among noisy estimates overrates the drafts chosen.
-    "lookup_accepted_x_estimated": lambda p: p["lookup_accepted"] / p["lookup_estimated"] if p.get("lookup_estimated") else None,
+    "lookup_accepted_x_estimated": lambda p: (p["lookup_accepted"] / p["lookup_estimated"]
+                                              if p.get("lookup_estimated") else None),
 }
 
 
@@ -424,7 +427,8 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
         save_run_notes(run, out / "raw", slug)
         runs.append(run)
         print(f"  {slug}: " + (run.error or f"{run.metric('completed')} done, {run.metric('failed')} failed, "
-              f"{run.metric('output_throughput'):.1f} tok/s, TPOT {run.metric('mean_tpot_ms') or 0:.0f} ms"), flush=True)
+              f"{run.metric('output_throughput'):.1f} tok/s, TPOT {run.metric('mean_tpot_ms') or 0:.0f} ms"),
+              flush=True)
         if index == 0 and workload not in plan.points and run.clean:
             plan.points[workload] = capacity_points(run.metric("request_throughput"), args.load, args.max_concurrency)
         if server.process.poll() is not None or workload not in plan.points:
@@ -760,9 +764,10 @@ def write_summary(runs: list[Run], args, out: Path, command: str, started: str |
               f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"
               f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
               f"(below 1 is better), and ttft_paired_x, the median over requests of each one's TTFT against the "
-              f"same prompt's on plain (below 1 is better); plain's own ratios, where it ran more than once a round, are each plain run "
-              f"against its others: the noise. Below capacity the output throughput follows the arrival rate (the "
-              f"last request is sent at prompts / rate): there TPOT and TTFT tell methods apart.\n"
+              f"same prompt's on plain (below 1 is better); plain's own ratios, where it ran more than once a "
+              f"round, are each plain run against its others: the noise. Below capacity the output throughput "
+              f"follows the arrival rate (the last request is sent at prompts / rate): there TPOT and TTFT tell "
+              f"methods apart.\n"
               f"Command: `{command}`\n\n")
     (out / "table.md").write_text(header + markdown_table(rows) + "\n")
     with open(out / "results.csv", "w", newline="") as f:

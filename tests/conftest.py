@@ -14,9 +14,9 @@ import pytest
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_model import build_tiny_llama  # noqa: E402
-
 from benchmarks.engine import build_llm, close_llm  # noqa: E402,F401
+
+from tiny_model import build_tiny_llama  # noqa: E402
 
 ENGINE_DEFAULTS = dict(
     dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512,

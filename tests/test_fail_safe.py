@@ -4,10 +4,11 @@ injected at each stage of a real engine's step (`pytest -k injected_fault` runs 
 import logging
 
 import pytest
-from conftest import close_llm, make_llm, proposer_report, token_ids
 
 from vllm_selfspec import fail_safe
 from vllm_selfspec.fail_safe import INJECT_ENV, MAX_CONSECUTIVE_FAULTS, FailSafe
+
+from conftest import close_llm, make_llm, proposer_report, token_ids
 
 # Lookup drafts where the context repeats, self-drafts elsewhere, all of them every step (no
 # cost control), so that every stage runs in every step.

@@ -106,8 +106,9 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_pipeline_parallel_is_refused(tiny_model_path):
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
     from vllm_selfspec.vllm_compat.front_door import check_supported
 
     model_config = EngineArgs(model=str(tiny_model_path)).create_model_config()
@@ -168,4 +169,5 @@ def test_sliding_windows_context_parallelism_and_quantization_are_refused(tiny_m
     dcp = dc.replace(ParallelConfig(), tensor_parallel_size=2, decode_context_parallel_size=2)
     assert any("decode_context_parallel_size must be 1" in r for r in unsupported_reasons(args, model_config, dcp))
     model_config.quantization = "gptq"
-    assert any("quantization='gptq' is not supported" in r for r in unsupported_reasons(args, model_config, ParallelConfig()))
+    reasons = unsupported_reasons(args, model_config, ParallelConfig())
+    assert any("quantization='gptq' is not supported" in r for r in reasons)

@@ -4,10 +4,11 @@ even vLLM's own methods round differently when they verify several tokens in one
 divergence is reported with the logit margin where it happens."""
 
 import pytest
-from conftest import SELF_DRAFTS_ONLY, close_llm, make_llm, spec_counters, token_ids
 from vllm import SamplingParams
 
 from benchmarks import assets
+
+from conftest import SELF_DRAFTS_ONLY, close_llm, make_llm, spec_counters, token_ids
 
 NUM_PROMPTS, NUM_TOKENS = 20, 64
 SELF_ADMG = {"method": "self-admg", "num_speculative_tokens": 4}

@@ -6,11 +6,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import close_llm, make_llm, spec_counters
 from scipy.stats import chi2_contingency
 from vllm import SamplingParams
 
 from vllm_selfspec.vllm_compat.cpu_fixes import UNPATCHED_SAMPLER_ENV
+
+from conftest import close_llm, make_llm, spec_counters
 
 NUM_SAMPLES = 3000
 NUM_TOKENS = 4  # token 0 comes from the prefill; tokens 1-3 go through the rejection sampler
@@ -91,8 +92,8 @@ def test_a_step_without_drafts_is_sampled_as_plain_decoding():
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_selfspec.vllm_compat import runner_hook
     from vllm_selfspec.proposer import SelfAdmgProposer
+    from vllm_selfspec.vllm_compat import runner_hook
 
     runner_hook.install()
     calls = []

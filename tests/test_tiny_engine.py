@@ -6,6 +6,11 @@ import time
 
 import numpy as np
 import pytest
+from vllm import SamplingParams
+
+from vllm_selfspec.options import SelfAdmgOptions
+from vllm_selfspec.report import prompt_key
+
 from conftest import (
     SELF_DRAFTS_ONLY,
     close_llm,
@@ -16,10 +21,6 @@ from conftest import (
     token_ids,
 )
 from reference import hf_similarities
-from vllm import SamplingParams
-
-from vllm_selfspec.options import SelfAdmgOptions
-from vllm_selfspec.report import prompt_key
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 

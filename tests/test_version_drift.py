@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import token_ids
 
 pytestmark = pytest.mark.engine

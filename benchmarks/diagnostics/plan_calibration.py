@@ -7,7 +7,8 @@ expected rate of the draft's first token and by draining. Also prints the steps 
 took: a closed batch ends with its last row, so tokens accepted in a batch that still takes
 max_tokens steps bought nothing.
 
-    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python -m benchmarks.diagnostics.plan_calibration --batch 8 --temperature 1
+    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so \
+        .venv/bin/python -m benchmarks.diagnostics.plan_calibration --batch 8 --temperature 1
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def main(argv=None) -> None:
     from vllm import SamplingParams
 
     from benchmarks import assets
-    from benchmarks.engine import build_llm, bind_worker_cores, choose_dtype
+    from benchmarks.engine import bind_worker_cores, build_llm, choose_dtype
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -108,7 +109,8 @@ def main(argv=None) -> None:
         table[(draining, bucket)] += (1, out["drafted"], row["expected"], out["accepted"])
     print("draining | first-token rate | drafts | tokens | expected accepted | accepted")
     for (draining, bucket), (n, drafted, expected, accepted) in sorted(table.items()):
-        print(f"{draining} | {bucket:.1f}-{bucket + 0.1:.1f} | {n:.0f} | {drafted:.0f} | {expected:.1f} | {accepted:.0f}")
+        print(f"{draining} | {bucket:.1f}-{bucket + 0.1:.1f} | {n:.0f} | {drafted:.0f} | {expected:.1f} | "
+              f"{accepted:.0f}")
     plans = log["plans"]
     print(f"plans: {len(plans)}, draining {sum(p['draining'] for p in plans)}; "
           f"last plan's t0 {plans[-1]['t0'] * 1e3:.0f} ms, t_row {plans[-1]['t_row'] * 1e3:.1f} ms, "

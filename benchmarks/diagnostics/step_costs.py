@@ -6,7 +6,8 @@ the mean step time by number of draft tokens in the step, next to plain decoding
 A jump from 0 to 1 draft token that the per-token slope does not explain is a fixed cost of
 verifying anything at all, which a per-token model cannot see.
 
-    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python -m benchmarks.diagnostics.step_costs --batch 32 --temperature 1
+    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so \
+        .venv/bin/python -m benchmarks.diagnostics.step_costs --batch 32 --temperature 1
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main(argv=None) -> None:
     from vllm import SamplingParams
 
     from benchmarks import assets
-    from benchmarks.engine import build_llm, bind_worker_cores, choose_dtype, close_llm
+    from benchmarks.engine import bind_worker_cores, build_llm, choose_dtype, close_llm
     from vllm_selfspec.report import proposer_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

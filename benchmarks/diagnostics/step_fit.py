@@ -7,7 +7,8 @@ predicted for each step before seeing it against what the step took, by kind of 
 fit it ended with, and what the drafts verified in steps that carry prompt tokens cost those
 steps: a new prompt's first token waits for them. No engine runs.
 
-    .venv/bin/python -m benchmarks.diagnostics.step_fit benchmarks/results/serving-.../raw/r0-self-admg-chat-max-steps.json
+    .venv/bin/python -m benchmarks.diagnostics.step_fit \
+        benchmarks/results/serving-.../raw/r0-self-admg-chat-max-steps.json
 """
 
 from __future__ import annotations

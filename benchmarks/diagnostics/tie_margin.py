@@ -17,7 +17,7 @@ def main(argv=None) -> None:
     from vllm import SamplingParams
 
     from benchmarks import assets
-    from benchmarks.engine import build_llm, bind_worker_cores, choose_dtype
+    from benchmarks.engine import bind_worker_cores, build_llm, choose_dtype
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", choices=("humaneval", "news"))
