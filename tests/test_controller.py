@@ -124,10 +124,10 @@ def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere()
     for _ in range(40):  # weak one-token drafts fail and drag the source's rate down
         controller.observe_draft("y", "lookup", 1, 0, controller.calibration(RowOffer(**WEAK)))
     assert controller.acceptance.rates[DraftSource.LOOKUP].rate < 0.2
-    gains = controller.acceptance.lookup_gains(RowOffer("a", lookup_tokens=2, lookup_probs=(0.75, 0.75), lookup_match=5))
+    offer = RowOffer("a", lookup_tokens=2, lookup_probs=(0.75, 0.75), lookup_match=5)
+    gains = controller.acceptance.lookup_gains(offer)
     assert gains == pytest.approx([0.75, 0.75 * 0.999])
     # What the proposer counts against verification's outcome: the gains of the tokens it drafts.
-    offer = RowOffer("a", lookup_tokens=2, lookup_probs=(0.75, 0.75), lookup_match=5)
     assert controller.expected_accepted(offer, 1).planned == pytest.approx(0.75)
     assert controller.expected_accepted(offer, 2).planned == pytest.approx(sum(gains))
 

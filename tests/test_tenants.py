@@ -3,6 +3,7 @@ requests with its own `cache_salt` (requests without one share one pool, as they
 prefix cache), and an output a stop string ended is never kept."""
 
 import pytest
+
 from conftest import close_llm, make_llm, proposer_report
 
 pytestmark = pytest.mark.engine
