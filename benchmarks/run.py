@@ -9,11 +9,12 @@ temperature; all ratios are against plain decoding measured in the same run. Wit
 with fresh prompts each, so each ratio pairs runs minutes apart rather than an hour (this VM's
 speed drifts); the table then gives the range of the per-round ratios. Batch size B
 means B requests submitted together (one `LLM.generate` call), the engine allowing that many
-sequences at once. Writes benchmarks/results/<date>/ with environment.json, results.json,
-results.csv, table.md and plots, and prints the table. At temperature 0 every method's token
-ids are compared with plain decoding's; a mismatch is marked loudly (expected at near-ties in
-bfloat16, never in float32). The dtype is the one this machine runs natively (bfloat16 with
-native bf16 instructions or a GPU, else float32) unless --dtype says otherwise.
+sequences at once. Writes environment.json, results.json, results.csv, table.md and plots to
+--out (default: a dated folder in the cache, outside the repository: benchmarks/output.py),
+and prints the table. At temperature 0 every method's token ids are compared with plain
+decoding's; a mismatch is marked loudly (expected at near-ties in bfloat16, never in float32).
+The dtype is the one this machine runs natively (bfloat16 with native bf16 instructions or a
+GPU, else float32) unless --dtype says otherwise.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from importlib import metadata
 from pathlib import Path
 
 from benchmarks.engine import CORES_ENV_VAR, ISA_FLAGS, bind_worker_cores, build_llm, choose_dtype, close_llm, cpu_flags
+from benchmarks.output import default_out
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # proposer_report via RPC
 
-RESULTS_DIR = Path(__file__).parent / "results"
 K = 4  # draft length for every speculative method
 
 MODES = {
@@ -548,12 +549,13 @@ def parse_args(argv=None):
                         help="run engines eagerly (default: vLLM's compiled engine)")
     parser.add_argument("--kv-cache-gb", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<date>)")
+    parser.add_argument("--out", type=Path, help="results folder; default: run-<mode>-<date> in the cache")
     args = parser.parse_args(argv)
     for key, value in MODES[args.mode].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.dtype, args.dtype_reason = choose_dtype(args.dtype)
+    args.out = args.out or default_out(f"run-{args.mode}")
     return args
 
 
@@ -563,7 +565,7 @@ def main(argv=None) -> Path:
     args = parse_args(argv)
     print(f"dtype {args.dtype_reason}", flush=True)
     print(f"cores {bind_worker_cores().reason}", flush=True)
-    out = args.out or RESULTS_DIR / dt.datetime.now().strftime("%Y-%m-%d_%H%M%S")
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     model = assets.model_or_path(args.model)
     draft = assets.model_or_path(args.draft_model) if args.draft_model else None

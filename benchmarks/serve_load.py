@@ -10,7 +10,8 @@ completions, each with a prompt of its own (HumanEval and news alternating), fro
 Reported per server: failed requests, requests/s, output tokens/s, p50/p99 latency, resident
 memory of the server's processes after warm-up and at the end, acceptance from vLLM's
 `vllm:spec_decode_*` counters on /metrics, and /health afterwards. Writes results.json,
-table.md and latency.png to --out.
+table.md, latency.png, memory.png and the servers' logs to --out (default: a dated folder in the
+cache, outside the repository: benchmarks/output.py).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.output import default_out
+
 VLLM = str(Path(sys.executable).parent / "vllm")
-RESULTS_DIR = Path(__file__).parent / "results"
 
 
 def free_port() -> int:
@@ -342,8 +344,10 @@ def parse_args(argv=None):
     parser.add_argument("--speculative-config", default='{"method": "self-admg", "num_speculative_tokens": 4}')
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gb", type=int, default=2)
-    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/serve-<date>)")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, help="results folder; default: serve-load-<date> in the cache")
+    args = parser.parse_args(argv)
+    args.out = args.out or default_out("serve-load")
+    return args
 
 
 def main(argv=None) -> Path:
@@ -354,7 +358,7 @@ def main(argv=None) -> Path:
     args.dtype, reason = choose_dtype(args.dtype)
     print(f"dtype {reason}", flush=True)
     print(f"cores {bind_worker_cores().reason}", flush=True)
-    out = args.out or RESULTS_DIR / dt.datetime.now().strftime("serve-%Y-%m-%d_%H%M%S")
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     model = assets.model_or_path(args.model)
     # Every request gets a prompt of its own: a server that drafts from earlier answers (vLLM's

@@ -20,10 +20,11 @@ the measured requests are the second turns. Workloads: code (HumanEval, raw comp
 prompts), summarization (news articles), chat (IFBench instructions) and multi-turn (MT-Bench),
 the last three through the model's chat template.
 
-Writes a dated folder: raw/ (the JSON `vllm bench serve` saved, one file per run), workloads/ (the
-JSONL it was fed), the servers' logs, table.md and results.csv (each ratio against the plain server
-of the same round), throughput.png and tpot.png (one panel per workload, one line per method), and
-environment.json (CPU, instruction set, dtype, versions).
+Writes to --out (default: a dated folder in the cache, outside the repository: benchmarks/output.py):
+raw/ (the JSON `vllm bench serve` saved, one file per run), workloads/ (the JSONL it was fed), the
+servers' logs, table.md and results.csv (each ratio against the plain server of the same round),
+throughput.png and tpot.png (one panel per workload, one line per method), and environment.json
+(CPU, instruction set, dtype, versions).
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.engine import CORES_ENV_VAR
+from benchmarks.output import default_out
 from benchmarks.serve_load import VLLM, VllmServer, server_flags
 
-RESULTS_DIR = Path(__file__).parent / "results"
 WARMUP_REQUESTS = 8
 WORKLOADS = ("code", "summarization", "chat", "multiturn")
 MODES = {  # model, draft model for draft_model, prompts per load point, output tokens per request
@@ -670,13 +671,14 @@ def parse_args(argv=None):
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gb", type=int, default=2)
     parser.add_argument("--run-timeout", type=float, default=3600, help="seconds per `vllm bench serve` run")
-    parser.add_argument("--out", type=Path, help="default: benchmarks/results/serving-<mode>-<date>")
+    parser.add_argument("--out", type=Path, help="default: serving-<mode>-<date> in the cache")
     parser.add_argument("--summarize", type=Path, metavar="FOLDER",
                         help="start no server: write FOLDER's table, CSV and plots again from what it saved")
     args = parser.parse_args(argv)
     if not 0 <= args.output_spread < 1:
         parser.error(f"--output-spread must be at least 0 and below 1, not {args.output_spread:g}")
     model, draft, per_point, tokens = MODES[args.mode]
+    args.out = args.out or default_out(f"serving-{args.mode}")
     args.prompts_per_point = args.prompts_per_point or per_point
     args.output_tokens = args.output_tokens or tokens
     args.model, args.draft = model, draft
@@ -709,7 +711,7 @@ def main(argv=None) -> Path:
     args.cpus = os.cpu_count()
     args.model_path = assets.model_or_path(args.model)
     args.draft_path = assets.model_or_path(args.draft) if args.draft else None
-    out = args.out or RESULTS_DIR / dt.datetime.now().strftime(f"serving-{args.mode}-%Y-%m-%d_%H%M")
+    out = args.out
     (out / "raw").mkdir(parents=True, exist_ok=True)
     (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
     print(f"dtype {args.dtype_reason}; results in {out}", flush=True)

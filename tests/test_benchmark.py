@@ -2,10 +2,13 @@
 and its lossless check passes for exact methods and flags a mismatch loudly."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 import benchmarks.run as bench
+from benchmarks import serve_load, serving
+from benchmarks.output import results_root
 
 
 def test_lossless_check_flags_mismatches():
@@ -48,6 +51,22 @@ def test_methods_are_chosen_by_name_with_an_optional_draft_length():
     for bad in ("eagle", "suffix@0", "suffix@x", "plain@4"):
         with pytest.raises(SystemExit, match="suffix@8"):
             bench.choose_methods(known, "plain", [bad])
+
+
+def test_runs_write_to_the_cache_outside_the_repository_unless_told_where(monkeypatch, tmp_path):
+    repository = Path(bench.__file__).resolve().parents[1]
+    monkeypatch.setenv("VLLM_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    defaults = {"run": bench.parse_args(["--mode", "quick"]).out, "serving": serving.parse_args([]).out,
+                "serve_load": serve_load.parse_args([]).out}
+    for script, out in defaults.items():
+        assert out.parent == results_root() == (tmp_path / "cache" / "results").resolve(), script
+        assert not out.is_relative_to(repository), script
+    assert defaults["run"].name.startswith("run-quick-") and defaults["serving"].name.startswith("serving-quick-")
+    monkeypatch.delenv("VLLM_SELFSPEC_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert results_root() == (tmp_path / "home" / ".cache" / "vllm-selfspec" / "results").resolve()
+    assert bench.parse_args(["--out", str(tmp_path / "here")]).out == tmp_path / "here"  # --out chooses
+    assert serving.parse_args(["--out", str(tmp_path / "here")]).out == tmp_path / "here"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ splits each request's first-token time at the first boundary after its arrival. 
 steps are longer (they verify drafts) makes a new prompt wait longer for the step in progress,
 whatever it drafts; any method's server can be split this way, no counters of ours needed.
 
-    .venv/bin/python -m benchmarks.diagnostics.first_token_wait benchmarks/results/serving-.../ --workload code
+    .venv/bin/python -m benchmarks.diagnostics.first_token_wait \
+        ~/.cache/vllm-selfspec/results/serving-quick-.../ --workload code
 """
 
 from __future__ import annotations

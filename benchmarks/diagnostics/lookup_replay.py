@@ -10,7 +10,8 @@ Per load point it prints steps, steps with a draft, draft tokens and accepted to
 two rules differ in steps, drafts explain a gap in speed; where they do not, the time per step
 does. No engine runs (the served answers are tokenized again, the same for both rules).
 
-    .venv/bin/python -m benchmarks.diagnostics.lookup_replay benchmarks/results/serving-.../ --workload chat
+    .venv/bin/python -m benchmarks.diagnostics.lookup_replay \
+        ~/.cache/vllm-selfspec/results/serving-quick-.../ --workload chat
 """
 
 from __future__ import annotations

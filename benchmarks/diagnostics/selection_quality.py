@@ -27,8 +27,6 @@ import torch
 from vllm_selfspec.admg import budget_rule, keep_edge_layers_rule
 from vllm_selfspec.residual_stream import weight_bytes
 
-RESULTS_DIR = Path(__file__).parents[1] / "results"
-
 
 class Skipper:
     """Hooks that leave chosen sublayers' outputs out of the residual stream."""
@@ -110,6 +108,7 @@ def main(argv=None) -> Path:
 
     from benchmarks import assets
     from benchmarks.engine import choose_dtype
+    from benchmarks.output import default_out
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="an asset name or a model directory")
@@ -119,8 +118,9 @@ def main(argv=None) -> Path:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
     parser.add_argument("--random-draws", type=int, default=2)
     parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "selection-quality")
+    parser.add_argument("--out", type=Path, help="default: selection-quality-<date> in the cache")
     args = parser.parse_args(argv)
+    args.out = args.out or default_out("selection-quality")
     args.dtype, reason = choose_dtype(args.dtype)
     print(f"dtype {reason}", flush=True)
     path = assets.model_or_path(args.model)

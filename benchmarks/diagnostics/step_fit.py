@@ -8,7 +8,7 @@ fit it ended with, and what the drafts verified in steps that carry prompt token
 steps: a new prompt's first token waits for them. No engine runs.
 
     .venv/bin/python -m benchmarks.diagnostics.step_fit \
-        benchmarks/results/serving-.../raw/r0-self-admg-chat-max-steps.json
+        ~/.cache/vllm-selfspec/results/serving-quick-.../raw/r0-self-admg-chat-max-steps.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ chunks is the tokens a step emitted. TPOT is about one over the other; plain dec
 give the step of a method that drafts nothing. Any method's server can be split this way (no
 counters of ours needed), so `suffix`, `ngram` and self-admg are compared on the same footing.
 
-    .venv/bin/python -m benchmarks.diagnostics.step_split benchmarks/results/serving-.../ --workload code
+    .venv/bin/python -m benchmarks.diagnostics.step_split \
+        ~/.cache/vllm-selfspec/results/serving-quick-.../ --workload code
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ def main(argv=None) -> None:
 
     from benchmarks import assets
     from benchmarks.engine import bind_worker_cores
+    from benchmarks.output import default_out
     from benchmarks.run import method_configs
     from benchmarks.serve_load import VllmServer, server_flags
     from benchmarks.serving import Server, complete_all
@@ -53,8 +54,9 @@ def main(argv=None) -> None:
     parser.add_argument("method", help="plain or a speculative method of benchmarks.run")
     parser.add_argument("--history", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=40)
-    parser.add_argument("--out", type=Path, default=Path("worker-profile"))
+    parser.add_argument("--out", type=Path, help="default: worker-profile-<date> in the cache")
     args = parser.parse_args(argv)
+    args.out = args.out or default_out("worker-profile")
     spy = shutil.which("py-spy")
     if spy is None:
         raise SystemExit("py-spy not found: pip install py-spy")
