@@ -90,6 +90,17 @@ def test_lookup_work_is_bounded_by_its_caps_whatever_the_context():
     assert history.draft(np.full(30, 7), max_tokens=4, max_match=24).probs[0] == (followed - 1) / (followed + 1)
 
 
+def test_a_request_of_unknown_tenant_neither_reads_nor_writes_history():
+    from vllm_selfspec.lookup import UNKNOWN_TENANT, TenantHistories
+
+    histories = TenantHistories(max_tokens=100)
+    histories.add(None, np.array([1, 2, 3]))
+    histories.add(UNKNOWN_TENANT, np.array([4, 5, 6]))
+    assert list(histories.pools) == [None] and len(histories) == 5
+    assert histories.pool(UNKNOWN_TENANT) is None
+    assert histories.pool(None) is not None
+
+
 def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():
     history = OutputHistory(max_tokens=12)
     for output in ([1, 2, 3], [1, 2, 4], [1, 2, 4]):

@@ -215,11 +215,17 @@ class OutputHistory:
             self.tokens = self.tokens[1 + int(np.argmax(self.tokens[1:] == SEPARATOR)):]
 
 
+# A request whose tenant is not known: it neither drafts from any pool nor adds to one (fail
+# closed: an unknown tenant is nobody's, not the shared pool's).
+UNKNOWN_TENANT = object()
+
+
 class TenantHistories:
     """Earlier outputs, one pool per tenant: a request drafts only from the outputs of requests
     with its own `cache_salt` (None: the shared pool of requests without one, as in vLLM's
-    prefix cache). All pools together hold at most `max_tokens` token ids (8 bytes each,
-    separators included): the least recently used tenant's oldest outputs go first."""
+    prefix cache; UNKNOWN_TENANT: none at all). All pools together hold at most `max_tokens`
+    token ids (8 bytes each, separators included): the least recently used tenant's oldest
+    outputs go first."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
@@ -228,10 +234,12 @@ class TenantHistories:
     def __len__(self) -> int:
         return sum(len(pool) for pool in self.pools.values())
 
-    def pool(self, tenant: str | None) -> OutputHistory | None:
-        return self.pools.get(tenant)
+    def pool(self, tenant) -> OutputHistory | None:
+        return None if tenant is UNKNOWN_TENANT else self.pools.get(tenant)
 
-    def add(self, tenant: str | None, output: np.ndarray) -> None:
+    def add(self, tenant, output: np.ndarray) -> None:
+        if tenant is UNKNOWN_TENANT:
+            return
         pool = self.pools.pop(tenant, None) or OutputHistory(self.max_tokens)
         self.pools[tenant] = pool  # the most recently used last
         pool.add(output)

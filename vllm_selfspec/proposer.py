@@ -28,6 +28,7 @@ from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, mak
 from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, prompt_key  # noqa: F401
 from vllm_selfspec.self_draft import SelfDrafter
 from vllm_selfspec.vllm_compat.draft_forward import DraftForward, same_on_all_ranks
+from vllm_selfspec.vllm_compat.request_tenant import tenant_of
 from vllm_selfspec.vllm_compat.runner_state import StepRow, StepView
 
 # Steps without a request admitted after which a closed batch counts as draining: a row that
@@ -61,7 +62,6 @@ class SelfAdmgProposer:
         self.self_drafter: SelfDrafter | None = None
         self.history = (TenantHistories(self.options.lookup_history)
                         if self.options.lookup and self.options.lookup_history else None)
-        self._tenants: dict[str, str | None] = {}  # live requests' cache_salt
         self._drafted: dict[str, DraftMade] = {}
         self._step_end: float | None = None
         self._steps_since_admission = 0
@@ -135,7 +135,6 @@ class SelfAdmgProposer:
         is not timed: its time since the last step includes the wait for requests, which under
         open-loop arrivals precedes most prompts and would be charged to their tokens."""
         now = time.perf_counter()
-        self._tenants.update(step.new_request_tenants())
         self._steps_since_admission = 0 if step.admitted_requests else self._steps_since_admission + 1
         shape = step.shape()
         if self._step_end is not None and shape is not None and step.engine_was_busy:
@@ -170,7 +169,7 @@ class SelfAdmgProposer:
         for row, budget in zip(rows, budgets):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
             if self.options.lookup and budget:
-                history = self.history.pool(self._tenants.get(row.req_id)) if self.history is not None else None
+                history = self.history.pool(step.tenant(row.index)) if self.history is not None else None
                 source, draft = lookup_draft(step.context(row.index), budget, self.options.lookup_max_match,
                                              history)
             found.append((source, draft))
@@ -219,13 +218,12 @@ class SelfAdmgProposer:
         kept: its tail was never sent. Runs even with drafting switched off, so that nothing is
         left behind."""
         try:
-            tenant = self._tenants.pop(req_id, None)
             if self.self_drafter is not None:
                 self.self_drafter.forget(req_id)
             self.controller.forget(req_id)
             params = getattr(request, "sampling_params", None)
             if (self.history is not None and request is not None and request.output_token_ids
                     and not (params is not None and params.stop)):
-                self.history.add(tenant, np.array(request.output_token_ids))
+                self.history.add(tenant_of(request), np.array(request.output_token_ids))
         except Exception as err:  # never let clean-up of an optimisation fail a request
             self.fail_safe.record(err)

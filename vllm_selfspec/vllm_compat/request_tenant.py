@@ -4,7 +4,13 @@ vLLM keeps tenants apart in the prefix cache by `cache_salt`, but the worker nev
 `NewRequestData` (vLLM 0.32) has no such field. Lookup drafts from earlier outputs must stay
 within a tenant (whether several tokens arrive at once would otherwise tell one user what
 another was recently sent), so the scheduler's `NewRequestData.from_request` attaches the salt
-as one extra attribute, which pickling carries to the workers.
+as one extra attribute, which pickling carries to the workers, and the runner hook copies it
+onto the runner's own state of the request when the runner admits it (`remember_tenants`).
+
+That happens in every step that admits a request, whether or not the proposer runs in it (vLLM
+skips the proposer in steps where a request is within K tokens of max_model_len), and the
+tenant then lives and dies with vLLM's own state of the request. A request whose tenant was
+never attached reads as UNKNOWN_TENANT, which neither reads nor writes any history.
 """
 
 from vllm_selfspec.vllm_compat.patching import original, patch
@@ -24,6 +30,18 @@ def apply() -> None:
           "carry cache_salt to the worker, so lookup history stays within a tenant")
 
 
-def tenant_of(new_request_data) -> str | None:
-    """The tenant of a scheduled new request (None: no salt, the shared pool)."""
-    return getattr(new_request_data, ATTRIBUTE, None)
+def remember_tenants(runner, scheduler_output) -> None:
+    """Attach each newly scheduled request's tenant to the runner's state of it (run right after
+    the runner has added this step's new requests)."""
+    for data in scheduler_output.scheduled_new_reqs:
+        state = runner.requests.get(data.req_id)
+        if state is not None:
+            setattr(state, ATTRIBUTE, tenant_of(data))
+
+
+def tenant_of(request) -> "str | None | object":
+    """The tenant of a scheduled new request or of the runner's state of one: its cache_salt,
+    None for the shared pool of requests without one, UNKNOWN_TENANT if it never arrived."""
+    from vllm_selfspec.lookup import UNKNOWN_TENANT  # (in workers only: lookup loads numba)
+
+    return getattr(request, ATTRIBUTE, UNKNOWN_TENANT)

@@ -1,13 +1,15 @@
-"""The model runner's three hand-offs to the self-admg proposer (vLLM 0.32's `GPUModelRunner`,
+"""The model runner's four hand-offs to the self-admg proposer (vLLM 0.32's `GPUModelRunner`,
 which `CPUModelRunner` inherits, so one patch covers both builds). Runners whose drafter is not
 a `SelfAdmgProposer` pass through unchanged.
 
 1. `propose_draft_token_ids`: a bare custom_class proposer gets only token ids. Ours also needs
    the runner (block tables, attention builders, live requests), the scheduler output and this
    step's attention metadata.
-2. `_on_request_state_removed`: a request's per-request state (mask, rates) is dropped in the
+2. `_update_states`: each request's tenant is attached to the runner's state of it in the step
+   that admits it, whether or not the proposer runs in that step (`request_tenant`).
+3. `_on_request_state_removed`: a request's per-request state (mask, rates) is dropped in the
    same step as vLLM's own (finished, aborted or disconnected).
-3. `_sample`: a step that verifies no draft at all (every row got none: the controller's usual
+4. `_sample`: a step that verifies no draft at all (every row got none: the controller's usual
    answer at large batch) is sampled by the plain sampler. vLLM 0.32 sends every step of a
    speculative engine through `RejectionSampler` (`_prepare_inputs` builds spec-decode metadata
    even with zero drafts), whose recovered-token sampling over the vocabulary makes such a step
@@ -19,6 +21,7 @@ Installed from the proposer's constructor, so only worker processes import the r
 """
 
 from vllm_selfspec.vllm_compat.patching import original, patch
+from vllm_selfspec.vllm_compat.request_tenant import remember_tenants
 
 
 def _ours(runner) -> bool:
@@ -44,6 +47,12 @@ def install() -> None:
         return self.drafter.propose_for_runner(self, scheduler_output, sampled_token_ids,
                                                common_attn_metadata)
 
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        result = original(Runner, "_update_states")(self, scheduler_output, *args, **kwargs)
+        if _ours(self):
+            remember_tenants(self, scheduler_output)
+        return result
+
     def _on_request_state_removed(self, req_id, req_state):
         original(Runner, "_on_request_state_removed")(self, req_id, req_state)
         if _ours(self):
@@ -56,6 +65,8 @@ def install() -> None:
 
     patch(Runner, "propose_draft_token_ids", propose_draft_token_ids,
           "hand the self-admg proposer the runner, scheduler output and attention metadata")
+    patch(Runner, "_update_states", _update_states,
+          "attach each admitted request's tenant to the runner's state of it, in every step")
     patch(Runner, "_on_request_state_removed", _on_request_state_removed,
           "drop a request's self-admg state with vLLM's own")
     patch(Runner, "_sample", _sample, "sample a step with no draft as plain decoding does")

@@ -57,11 +57,11 @@ class StepView:
         cached = self.scheduler_output.scheduled_cached_reqs
         return any(req_id not in cached.resumed_req_ids for req_id in cached.req_ids)
 
-    def new_request_tenants(self) -> dict[str, str | None]:
-        """The tenant (cache_salt) of each request scheduled for the first time this step."""
+    def tenant(self, row: int):
+        """The row's tenant (`request_tenant.tenant_of`)."""
         from vllm_selfspec.vllm_compat.request_tenant import tenant_of
 
-        return {data.req_id: tenant_of(data) for data in self.scheduler_output.scheduled_new_reqs}
+        return tenant_of(self.runner.requests[self.req_ids[row]])
 
     @functools.cached_property
     def rows(self) -> list[StepRow]:
