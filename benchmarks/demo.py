@@ -123,7 +123,7 @@ def main(argv=None) -> None:
         print(f"acceptance rate {accepted / drafted:.1%} ({accepted:.0f} of {drafted:.0f} draft "
               f"tokens), mean acceptance length {1 + accepted / max(drafts, 1):.2f}")
     print(f"greedy outputs identical to plain decoding: {same} of {len(prompts)}"
-          + ("" if args.dtype == "float32" else " (bf16 may differ at near-ties; see README)"))
+          + ("" if args.dtype == "float32" else " (bf16 may differ at near-ties; see docs/results.md)"))
     print(WHY)
 
 
