@@ -554,3 +554,13 @@ def test_history_pools_are_per_tenant_and_bounded_in_all():
         assert len(histories) <= 1000
     assert len(histories) > 900  # full, not emptied
     assert histories.pool("a") is None and histories.pool("t199") is not None
+
+
+def test_the_step_cost_model_remembers_a_bounded_number_of_step_shapes():
+    from vllm_selfspec.control.step_costs import MAX_SHAPES_REMEMBERED, StepCostModel
+
+    costs = StepCostModel()
+    for rows in range(MAX_SHAPES_REMEMBERED + 100):
+        costs.observe_step(0, rows + 1, 0, 0.01 + 1e-5 * rows)
+    assert len(costs._shapes_seen) == MAX_SHAPES_REMEMBERED
+    assert (MAX_SHAPES_REMEMBERED + 100, 0, 0) in costs._shapes_seen and (1, 0, 0) not in costs._shapes_seen

@@ -10,6 +10,7 @@ from vllm import SamplingParams
 
 import benchmarks
 from benchmarks import ray_data_batch
+from vllm_selfspec.fail_safe import INJECT_ENV
 from vllm_selfspec.report import proposer_report
 
 from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
@@ -45,29 +46,53 @@ def test_ray_data_replicas_match_plain_decoding(ray_cluster, tiny_model_path, ti
     assert len({r["replica"] for r in rows}) == 2  # both replicas served rows
 
 
+def within(seconds: float, call):
+    """call(), failing the test (and ending the engine's processes) if it has not returned in
+    `seconds`: ranks out of step hang in a collective rather than fail."""
+    import threading
+
+    import psutil
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(value=call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+        pytest.fail(f"no answer within {seconds} s: the tensor-parallel ranks hung")
+    return result["value"]
+
+
 def test_tensor_parallel_ranks_take_identical_decisions(tiny_model_path, tiny_prompts, mixed_options,
                                                         plain_greedy, monkeypatch):
     """Tensor parallel 2 (vLLM's multiprocessing executor: the Ray executor does not run on the
     CPU build). Each rank holds half of every layer; masks come from all-reduced activations
     and, with the draft tokens and exits, are broadcast from rank 0, so every rank must hold
-    the same masks and draft the same tokens."""
+    the same masks and draft the same tokens. A fault on rank 1 only, in its own part of a step,
+    makes both ranks skip that step's drafts (without their agreement rank 0 would wait in the
+    step's broadcast for a rank that is not coming)."""
     # vLLM's CPU auto-binding wants a NUMA node per rank, and this machine has one: one core each.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv(INJECT_ENV, "lookup@5@rank1")
     hybrid = {**mixed_options, "lookup": True, "adaptive": True,  # rank-local timings
               "experimental": {**mixed_options["experimental"], "lookup_max_match": 4}}
     llm = make_llm(tiny_model_path, tensor_parallel_size=2, speculative_config=hybrid)
     try:
-        outputs = llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False)
+        outputs = within(120, lambda: llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False))
         assert token_ids(outputs) == plain_greedy
         # Long enough for the controller to retry self-drafts (so masks exist to compare).
-        llm.generate(tiny_prompts, SamplingParams(**{**GREEDY, "max_tokens": 96}), use_tqdm=False)
+        within(120, lambda: llm.generate(tiny_prompts, SamplingParams(**{**GREEDY, "max_tokens": 96}),
+                                         use_tqdm=False))
         assert spec_counters(llm)["num_draft_tokens"] > 0
         reports = llm.collective_rpc(proposer_report)
         assert len(reports) == 2
         assert reports[0]["measurements"] and reports[0]["measurements"] == reports[1]["measurements"]
-        for counter in ("draft_steps", "draft_tokens", "lookup_tokens"):
+        for counter in ("draft_steps", "draft_tokens", "lookup_tokens", "steps_skipped_for_faults"):
             assert reports[0][counter] == reports[1][counter]
         assert reports[0]["draft_tokens"] + reports[0]["lookup_tokens"] > 0
+        assert [r["faults"] for r in reports] == [0, 1] and reports[0]["steps_skipped_for_faults"] == 1
+        assert not any(r["drafting_disabled"] for r in reports)
     finally:
         close_llm(llm)
 

@@ -29,11 +29,41 @@ def test_fail_safe_serves_the_fallback_and_switches_off_after_faults_in_a_row(ca
         assert [safe.call(failing, lambda: "none") for _ in range(2)] == ["none", "none"]
         assert safe.call(lambda: "drafts", lambda: "none") == "drafts"  # a success resets the run
         assert [safe.call(failing, lambda: "none") for _ in range(MAX_CONSECUTIVE_FAULTS)] == ["none"] * 3
-    assert safe.disabled and safe.faults == 2 + MAX_CONSECUTIVE_FAULTS
-    assert safe.call(failing, lambda: "none") == "none" and len(calls) == safe.faults  # not called again
+        assert safe.switch_off_wanted and not safe.disabled  # switched off where the ranks agree
+        assert not safe.agree(True)
+        assert safe.disabled and safe.faults == 2 + MAX_CONSECUTIVE_FAULTS
+        assert safe.call(failing, lambda: "none") == "none" and len(calls) == safe.faults  # not called again
+        safe.record(ValueError("a clean-up fault after switch-off"))
+        assert not safe.agree(True)
     with_traceback = [r for r in caplog.records if r.exc_info]
     assert len(with_traceback) == 1  # the first fault of a kind, with its traceback
-    assert sum(r.levelno == logging.ERROR and "switched off" in r.message for r in caplog.records) == 1
+    assert sum(r.levelno == logging.ERROR for r in caplog.records) == 1  # one ERROR line, ever
+    assert sum("switched off" in r.message for r in caplog.records) == 1
+
+
+def agree_on_all(ranks: list[FailSafe], oks: list[bool]) -> list[bool]:
+    """One agreement among `ranks` (FailSafes standing for tensor-parallel ranks), each having
+    done its own part of the step (`oks`): the all-reduce of their flags, simulated."""
+    flags = [[int(not ok), int(rank.switch_off_wanted)] for rank, ok in zip(ranks, oks)]
+    agreed = [max(column) for column in zip(*flags)]
+    for rank in ranks:
+        rank.max_over_ranks = lambda own, agreed=agreed: agreed
+    return [rank.agree(ok) for rank, ok in zip(ranks, oks)]
+
+
+def test_a_fault_or_a_switch_off_on_one_rank_is_every_ranks(caplog):
+    ranks = [FailSafe(), FailSafe()]
+    assert agree_on_all(ranks, [True, True]) == [True, True]
+    # Rank 1 faults in its own part of the step: both skip drafting, only rank 1 counts a fault.
+    assert ranks[1].attempt(lambda: 1 / 0) is None
+    assert agree_on_all(ranks, [True, False]) == [False, False]
+    assert [r.steps_skipped for r in ranks] == [1, 1] and [r.faults for r in ranks] == [0, 1]
+    # Rank 1 reaches its limit: both switch off in the same step, and stay off.
+    for _ in range(MAX_CONSECUTIVE_FAULTS):
+        ranks[1].record(ValueError("boom"))
+    assert agree_on_all(ranks, [True, True]) == [False, False]
+    assert [r.disabled for r in ranks] == [True, True]
+    assert [r.agree(True) for r in ranks] == [False, False]  # no collective once off everywhere
 
 
 def test_fault_points_raise_only_where_and_when_asked(monkeypatch):
@@ -50,6 +80,9 @@ def test_fault_points_raise_only_where_and_when_asked(monkeypatch):
             fail_safe.fault_point("draft")
     with pytest.raises(ValueError, match="unknown stage"):
         fail_safe._parse("verify@1")
+    assert fail_safe._parse("lookup@5@rank1") == {"lookup": (5, 1)}
+    with pytest.raises(ValueError, match="before the ranks' agreement"):
+        fail_safe._parse("draft@5@rank1")  # after the agreement a rank cannot skip alone
 
 
 def run_with_faults(model, prompts, spec, monkeypatch):

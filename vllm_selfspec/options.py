@@ -215,7 +215,9 @@ def is_self_admg(spec: dict[str, Any] | None) -> bool:
     """True when a speculative-config dict asks for self-admg by any of its spellings."""
     if not spec:
         return False
-    return spec.get("method") == METHOD_NAME or spec.get("model") == METHOD_NAME
+    # The proposer's class path under vLLM's custom_class method is self-admg too: it gets the
+    # same checks and refusals, not a way around them.
+    return spec.get("method") == METHOD_NAME or spec.get("model") in (METHOD_NAME, PROPOSER_PATH)
 
 
 def parse_speculative_config(
@@ -229,7 +231,8 @@ def parse_speculative_config(
     """
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     method, model = spec.pop("method", None), spec.pop("model", None)
-    if method not in (None, METHOD_NAME) or model not in (None, METHOD_NAME):
+    by_class_path = model == PROPOSER_PATH and method in (None, "custom_class")
+    if not by_class_path and (method not in (None, METHOD_NAME) or model not in (None, METHOD_NAME)):
         raise SelfAdmgConfigError(
             f"speculative config mixes self-admg with method={method!r} model={model!r}: "
             f"self-admg drafts with the target model itself, so give either "

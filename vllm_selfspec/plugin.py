@@ -1,5 +1,13 @@
 """vLLM general plugin: vLLM calls `register()` once in every process it starts (front end,
-engine core, workers) through the `vllm.general_plugins` entry point."""
+engine core, workers) through the `vllm.general_plugins` entry point.
+
+`register()` runs inside vLLM's plugin loader, so nothing may escape it: if applying the patches
+fails, whatever was patched is put back, one warning says why, and only a request for
+self-admg is refused; plain vLLM runs as if the plugin were absent."""
+
+import logging
+
+logger = logging.getLogger("vllm.selfspec")
 
 _registered = False
 
@@ -8,7 +16,23 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_selfspec.vllm_compat import apply_patches
-
-    apply_patches()
     _registered = True
+    from vllm_selfspec.vllm_compat import apply_patches, patching
+
+    try:
+        apply_patches()
+    except Exception as err:  # a plugin must never take plain vLLM down
+        patching.roll_back()
+        logger.warning("vllm-selfspec could not patch vLLM (%s: %s): its patches are rolled back, plain "
+                       "vLLM runs unchanged, and the self-admg method is refused", type(err).__name__, err)
+        _refuse_self_admg(f"self-admg is unavailable: vllm-selfspec could not patch vLLM ({type(err).__name__}: "
+                          f"{err}); see the warning at start-up")
+
+
+def _refuse_self_admg(message: str) -> None:
+    try:
+        from vllm_selfspec.vllm_compat import front_door
+
+        front_door.refuse_self_admg(message)
+    except Exception as err:  # even the refusal failed: the proposer's own check still refuses
+        logger.warning("vllm-selfspec could not install its refusal of self-admg either: %s", err)

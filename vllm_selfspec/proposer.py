@@ -23,11 +23,13 @@ from vllm_selfspec.control import DraftController, DraftPlan, DraftSource, RowOf
 from vllm_selfspec.fail_safe import FailSafe, fault_point
 from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.lookup import warm_up as warm_up_lookup
-from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, make_options
+from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, SelfAdmgConfigError, make_options
 # SelfAdmgWorkerExtension is re-exported so that worker-extension paths naming this module work.
-from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, prompt_key  # noqa: F401
+from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, metrics_snapshot, prompt_key  # noqa: F401
+from vllm_selfspec.metrics import MetricsPublisher
 from vllm_selfspec.self_draft import SelfDrafter
-from vllm_selfspec.vllm_compat.draft_forward import DraftForward, same_on_all_ranks
+from vllm_selfspec.vllm_compat.draft_forward import (DraftForward, max_over_ranks, same_on_all_ranks,
+                                                     tensor_parallel_rank)
 from vllm_selfspec.vllm_compat.request_tenant import tenant_of
 from vllm_selfspec.vllm_compat.runner_state import StepRow, StepView
 
@@ -35,6 +37,17 @@ from vllm_selfspec.vllm_compat.runner_state import StepRow, StepView
 # finishes early frees a slot nobody takes (vllm_selfspec.control.planner). In a server nobody
 # waits for a batch's end, so every step is planned for tokens per second.
 DRAIN_AFTER_STEPS = 4
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """What a step's rank-local part found: per drafting row its budget, lookup draft (with
+    source) and offer, and this rank's plan."""
+
+    budgets: list[int]
+    found: list[tuple[DraftSource, LookupDraft]]
+    offers: list[RowOffer]
+    plan: DraftPlan
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,11 @@ class DraftMade:
 class SelfAdmgProposer:
     def __init__(self, vllm_config):
         from vllm_selfspec.vllm_compat import runner_hook
+        from vllm_selfspec.vllm_compat.front_door import refusals_of
 
+        refusals = refusals_of(vllm_config)
+        if refusals:
+            raise SelfAdmgConfigError("self-admg: " + "; also: ".join(refusals))
         runner_hook.install()
         self.vllm_config = vllm_config
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
@@ -65,9 +82,10 @@ class SelfAdmgProposer:
         self._drafted: dict[str, DraftMade] = {}
         self._step_end: float | None = None
         self._steps_since_admission = 0
-        self.fail_safe = FailSafe()
+        self.fail_safe = FailSafe(max_over_ranks=max_over_ranks)
+        MetricsPublisher.from_environment(rank=tensor_parallel_rank()).start(lambda: metrics_snapshot(self))
         if self.options.lookup:
-            self.fail_safe.call(warm_up_lookup, lambda: None)
+            self.fail_safe.attempt(warm_up_lookup)
 
     # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
     # kept under another name than `model`: the runner treats `drafter.model` as a separate draft
@@ -83,13 +101,19 @@ class SelfAdmgProposer:
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
                            common_attn_metadata) -> list[list[int]]:
-        """This step's drafts; none if anything in making them fails (`fail_safe`). Its time is
-        on every step's critical path, drafting or not, so it is counted."""
+        """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
+        Its time is on every step's critical path, drafting or not, so it is counted."""
         start = time.perf_counter()
+        rows = len(sampled_token_ids)
         try:
-            return self.fail_safe.call(
-                lambda: self._step(runner, scheduler_output, sampled_token_ids, common_attn_metadata),
-                lambda: self._no_drafts(len(sampled_token_ids)))
+            if self.fail_safe.disabled:
+                return self._no_drafts(rows)
+            step = StepView(runner, scheduler_output, sampled_token_ids)
+            prepared = self.fail_safe.attempt(lambda: self._prepare(step))
+            if not self.fail_safe.agree(prepared is not None):
+                return self._no_drafts(rows)
+            return self.fail_safe.call(lambda: self._draft(step, prepared, common_attn_metadata),
+                                       lambda: self._no_drafts(rows))
         finally:
             self.counters.propose_calls += 1
             self.counters.propose_seconds += time.perf_counter() - start
@@ -99,21 +123,26 @@ class SelfAdmgProposer:
         self._step_end = time.perf_counter()
         return [[] for _ in range(rows)]
 
-    def _step(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
-              common_attn_metadata) -> list[list[int]]:
-        step = StepView(runner, scheduler_output, sampled_token_ids)
+    def _prepare(self, step: StepView) -> PreparedStep:
+        """The rank-local part of a step, before the ranks meet: learn from the step that ran,
+        offer each row's lookup draft and plan (each rank its own plan; rank 0's is used)."""
         self._learn(step)
         rows = step.rows
         budgets = [self._draft_budget(row.tokens_left) if row.may_draft else 0 for row in rows]
-        forward = DraftForward(runner, self.vllm_config, common_attn_metadata)
-        if not self.self_drafter.warmed_up and any(budgets):
-            warm_row = next(row.index for row, budget in zip(rows, budgets) if budget)
-            self.counters.warmup_seconds += self.self_drafter.warm_up(step, forward, warm_row)
         found = self._lookup(step, rows, budgets)
         offers = [RowOffer(row.req_id, len(draft), source, budget > 0, row.sampled, draft.probs, draft.match,
                            row.tokens_left, has_mask=row.req_id in self.self_drafter.masks)
                   for row, budget, (source, draft) in zip(rows, budgets, found)]
-        plan = self._plan(offers, max(budgets, default=0))
+        return PreparedStep(budgets, found, offers, self._plan(offers, max(budgets, default=0)))
+
+    def _draft(self, step: StepView, prepared: PreparedStep, common_attn_metadata) -> list[list[int]]:
+        """The part every rank runs alike: the shared plan, lookup drafts and self-drafts."""
+        rows, budgets, found, offers = step.rows, prepared.budgets, prepared.found, prepared.offers
+        plan = self._shared(prepared.plan, len(offers))
+        forward = DraftForward(step.runner, self.vllm_config, common_attn_metadata)
+        if not self.self_drafter.warmed_up and any(budgets):
+            warm_row = next(row.index for row, budget in zip(rows, budgets) if budget)
+            self.counters.warmup_seconds += self.self_drafter.warm_up(step, forward, warm_row)
         drafts: list[list[int]] = [[] for _ in range(step.num_rows)]
         for row, offer, (source, draft), length in zip(rows, offers, found, plan.lookup_lengths):
             if length:
@@ -176,15 +205,19 @@ class SelfAdmgProposer:
         return found
 
     def _plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
-        """How much of each kind of draft pays this step (everything offered, if not adaptive).
-        Timing differs between tensor-parallel ranks, so rank 0's plan is the one used."""
+        """How much of each kind of draft pays this step (everything offered, if not adaptive)."""
         fault_point("plan")
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
         draining = self.closed_batches and self._steps_since_admission > DRAIN_AFTER_STEPS
-        plan = self.controller.plan(offers, self_budget, draining)
-        shared = same_on_all_ranks(torch.tensor(plan.as_ints(), device=self._device)).tolist()
-        return DraftPlan.from_ints(shared, len(offers))
+        return self.controller.plan(offers, self_budget, draining)
+
+    def _shared(self, plan: DraftPlan, rows: int) -> DraftPlan:
+        """Rank 0's plan on every rank: each rank plans from its own step timings. (Without the
+        controller, the plan follows from the offers alone, which every rank has alike.)"""
+        if not self.options.adaptive:
+            return plan
+        return DraftPlan.from_ints(same_on_all_ranks(torch.tensor(plan.as_ints(), device=self._device)).tolist(), rows)
 
     def _self_draft(self, step: StepView, forward: DraftForward, rows: list[tuple[StepRow, int]],
                     length: int, drafts: list[list[int]]) -> None:

@@ -61,6 +61,7 @@ def proposer_report(worker, measurements: bool = True) -> dict:
     report["live_requests"] = sorted(drafter.self_drafter.masks)
     report["faults"] = drafter.fail_safe.faults
     report["drafting_disabled"] = drafter.fail_safe.disabled
+    report["steps_skipped_for_faults"] = drafter.fail_safe.steps_skipped
     report["fault_kinds"] = sorted(drafter.fail_safe.kinds_seen)
     if measurements:
         report["steps"] = [list(step) for step in counters.steps]
@@ -70,6 +71,26 @@ def proposer_report(worker, measurements: bool = True) -> dict:
             for key, attn, mlp, mask in counters.measurements
         ]
     return report
+
+
+def metrics_snapshot(drafter) -> dict:
+    """What operators watch of a worker's proposer (`vllm_selfspec.metrics`): counters and
+    switches, no request ids and nothing of any request's content."""
+    counters, fail_safe = drafter.counters, drafter.fail_safe
+    return {
+        "faults": fail_safe.faults,
+        "drafting_disabled": int(fail_safe.disabled),
+        "steps_skipped_for_faults": fail_safe.steps_skipped,
+        "draft_tokens": {"self": counters.draft_tokens,
+                         "context": counters.lookup_tokens - counters.history_tokens,
+                         "history": counters.history_tokens},
+        "lookup_tokens_accepted": counters.lookup_accepted,
+        "probes": counters.prompts_measured,
+        "probe_seconds": counters.probe_seconds,
+        "proposer_steps": counters.propose_calls,
+        "proposer_seconds": counters.propose_seconds,
+        "requests_holding_state": len(drafter.self_drafter.masks) if drafter.self_drafter is not None else 0,
+    }
 
 
 class SelfAdmgWorkerExtension:

@@ -15,10 +15,13 @@ A self-draft step over m rows and a probe per new prompt are measured apart.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.optimize
+
+MAX_SHAPES_REMEMBERED = 4096
 
 
 @dataclass
@@ -130,13 +133,18 @@ class StepCostModel:
     step: LinearCost = field(default_factory=target_step_cost)
     self_step: LinearCost = field(default_factory=self_step_cost)
     probe_seconds: float | None = None  # per probed prompt, a moving average
-    _shapes_seen: set = field(default_factory=set)
+    # The step shapes met lately, most recent last: bounded, since a long-running server meets
+    # ever more (a shape dropped and met again is charged its set-up once more, a small error).
+    _shapes_seen: OrderedDict = field(default_factory=OrderedDict)
 
     def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float,
                      draft_tokens: int = 0) -> None:
         shape = (logit_rows, sampled_rows, draft_tokens)
         new_shape = shape not in self._shapes_seen
-        self._shapes_seen.add(shape)
+        self._shapes_seen[shape] = None
+        self._shapes_seen.move_to_end(shape)
+        if len(self._shapes_seen) > MAX_SHAPES_REMEMBERED:
+            self._shapes_seen.popitem(last=False)
         self.step.observe((prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape), seconds)
 
     def observe_self_step(self, rows: int, seconds: float) -> None:

@@ -97,3 +97,23 @@ def same_on_all_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return get_tp_group().broadcast(tensor.contiguous(), src=0)  # a no-op on one rank
 
 
+
+
+def max_over_ranks(flags: list[int]) -> list[int]:
+    """The element-wise maximum of each tensor-parallel rank's flags: the ranks' one agreement
+    per step on whether to draft (`fail_safe`). One small all-reduce on the group's CPU (gloo)
+    communicator; on one rank, the flags themselves."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return list(flags)
+    values = torch.tensor(flags, dtype=torch.int64)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+    return values.tolist()
+
+
+def tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().rank_in_group

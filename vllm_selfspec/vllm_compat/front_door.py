@@ -34,7 +34,7 @@ from vllm_selfspec.options import (
     is_self_admg,
     parse_speculative_config,
 )
-from vllm_selfspec.vllm_compat.patching import original, patch
+from vllm_selfspec.vllm_compat.patching import after_roll_back, original, patch
 
 logger = logging.getLogger("vllm.selfspec")
 
@@ -100,6 +100,24 @@ def unsupported_reasons(engine_args, model_config, parallel_config) -> list[str]
     return reasons
 
 
+def refusals_of(vllm_config) -> list[str]:
+    """What `unsupported_reasons` says of an engine's built config, and a vLLM version other
+    than the one this package is written for: the proposer checks again when the engine
+    builds it, so that no spelling of the method and no failed start-up bypasses the checks."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.vllm_compat import installed_vllm_version, is_supported_vllm, unsupported_message
+
+    version = installed_vllm_version()
+    if not is_supported_vllm(version):
+        return [unsupported_message(version)]
+    cache = vllm_config.cache_config
+    settings = SimpleNamespace(enable_lora=vllm_config.lora_config is not None, kv_cache_dtype=cache.cache_dtype,
+                               kv_transfer_config=vllm_config.kv_transfer_config,
+                               kv_offloading_size=getattr(cache, "kv_offloading_size", None))
+    return unsupported_reasons(settings, vllm_config.model_config, vllm_config.parallel_config)
+
+
 def check_supported(engine_args, model_config, parallel_config) -> None:
     """Refuse, in one line, what the draft path does not handle; warn once off the CPU."""
     from vllm.platforms import current_platform
@@ -128,6 +146,10 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
             return vllm_create(self, target_model_config, target_parallel_config)
         vllm_spec, options = parse_speculative_config(spec, _vllm_speculative_keys())
         check_supported(self, target_model_config, target_parallel_config)
+        if _usage_context.get() in SERVER_USES:
+            from vllm_selfspec.metrics import serve_on_prometheus
+
+            serve_on_prometheus()
         self.speculative_config = vllm_spec
         self.spec_method = self.spec_model = self.spec_tokens = None
         self.additional_config = {**(self.additional_config or {}),
@@ -154,6 +176,8 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
 # vLLM's UsageContext values of callers that wait for a whole batch (the offline LLM class and
 # `vllm run-batch`); a server's requests come and go, so no batch ever drains.
 CLOSED_BATCH_USES = ("LLM_CLASS", "OPENAI_BATCH_RUNNER")
+# vLLM's UsageContext of its OpenAI-compatible server, which serves Prometheus /metrics.
+SERVER_USES = ("OPENAI_API_SERVER",)
 _usage_context: contextvars.ContextVar[str | None] = contextvars.ContextVar("self_admg_usage_context", default=None)
 
 
@@ -166,6 +190,7 @@ def _widen_method_choices() -> None:
     widened = _with_choice(field.type, METHOD_NAME)
     if widened != field.type and patch(field, "type", widened, "let argparse accept --spec-method self-admg"):
         arg_utils._compute_kwargs.cache_clear()
+        after_roll_back(arg_utils._compute_kwargs.cache_clear)
 
 
 def _with_choice(type_hint, value):

@@ -3,7 +3,8 @@
 `patch(owner, name, replacement, why)` replaces `owner.name` and records the original and the
 reason; patching the same attribute again is refused (it would wrap our own wrapper), so each
 patch is applied exactly once per process whoever asks first. `applied()` lists what is in
-place, for tests and diagnostics.
+place, for tests and diagnostics; `roll_back()` restores every original (newest first), for a
+start-up that failed half-way.
 """
 
 from __future__ import annotations
@@ -51,3 +52,20 @@ def original(owner: Any, name: str) -> Any:
 
 def applied() -> list[Patch]:
     return list(_applied.values())
+
+
+def roll_back() -> None:
+    """Undo every recorded patch, newest first (a failed start-up must leave vLLM as it was)."""
+    for key, applied_patch in reversed(list(_applied.items())):
+        setattr(applied_patch.owner, applied_patch.name, applied_patch.original)
+        del _applied[key]
+    for hook in _after_roll_back:
+        hook()
+
+
+_after_roll_back: list = []
+
+
+def after_roll_back(hook) -> None:
+    """Run `hook()` after a roll-back (for caches built from a patched value)."""
+    _after_roll_back.append(hook)
