@@ -564,3 +564,28 @@ def test_the_step_cost_model_remembers_a_bounded_number_of_step_shapes():
         costs.observe_step(0, rows + 1, 0, 0.01 + 1e-5 * rows)
     assert len(costs._shapes_seen) == MAX_SHAPES_REMEMBERED
     assert (MAX_SHAPES_REMEMBERED + 100, 0, 0) in costs._shapes_seen and (1, 0, 0) not in costs._shapes_seen
+
+
+def test_lookup_stops_when_it_costs_more_than_its_accepted_tokens_save_and_is_retried():
+    from vllm_selfspec.control.lookup_gate import FIRST_RETRY_AFTER, MIN_ROW_LOOKUPS, LookupGate
+
+    gate = LookupGate()
+    seconds_per_token = 0.010
+    gate.observe_lookup(MIN_ROW_LOOKUPS // 2, 0.5)
+    assert gate.open(seconds_per_token)  # too few lookups measured to close
+    # Lookups that took 5 ms a row and found nothing accepted: closed, retried after a back-off.
+    for _ in range(20):
+        gate.observe_lookup(8, 0.040)
+    assert not gate.pays(seconds_per_token)
+    decisions = [gate.open(seconds_per_token) for _ in range(3 * FIRST_RETRY_AFTER)]
+    assert decisions.index(True) == FIRST_RETRY_AFTER - 1 and sum(decisions) == 2  # then after twice as long
+    # Accepted tokens worth more than the lookups' time open it again.
+    gate.observe_lookup(8, 0.040)
+    gate.observe_accepted(50)
+    assert gate.pays(seconds_per_token) and gate.open(seconds_per_token)
+    # Cheap lookups pay with few accepted tokens.
+    cheap = LookupGate()
+    for _ in range(20):
+        cheap.observe_lookup(8, 0.0004)
+        cheap.observe_accepted(1)
+    assert cheap.open(seconds_per_token)

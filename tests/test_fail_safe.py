@@ -30,25 +30,28 @@ def test_fail_safe_serves_the_fallback_and_switches_off_after_faults_in_a_row(ca
         assert safe.call(lambda: "drafts", lambda: "none") == "drafts"  # a success resets the run
         assert [safe.call(failing, lambda: "none") for _ in range(MAX_CONSECUTIVE_FAULTS)] == ["none"] * 3
         assert safe.switch_off_wanted and not safe.disabled  # switched off where the ranks agree
-        assert not safe.agree(True)
+        assert not safe.agree(True)[0]
         assert safe.disabled and safe.faults == 2 + MAX_CONSECUTIVE_FAULTS
         assert safe.call(failing, lambda: "none") == "none" and len(calls) == safe.faults  # not called again
         safe.record(ValueError("a clean-up fault after switch-off"))
-        assert not safe.agree(True)
+        assert not safe.agree(True)[0]
     with_traceback = [r for r in caplog.records if r.exc_info]
     assert len(with_traceback) == 1  # the first fault of a kind, with its traceback
     assert sum(r.levelno == logging.ERROR for r in caplog.records) == 1  # one ERROR line, ever
     assert sum("switched off" in r.message for r in caplog.records) == 1
 
 
-def agree_on_all(ranks: list[FailSafe], oks: list[bool]) -> list[bool]:
+def agree_on_all(ranks: list[FailSafe], oks: list[bool], votes=None) -> list[bool]:
     """One agreement among `ranks` (FailSafes standing for tensor-parallel ranks), each having
-    done its own part of the step (`oks`): the all-reduce of their flags, simulated."""
-    flags = [[int(not ok), int(rank.switch_off_wanted)] for rank, ok in zip(ranks, oks)]
+    done its own part of the step (`oks`) and cast its `votes`: the all-reduce, simulated."""
+    votes = votes or [()] * len(ranks)
+    flags = [[int(not ok), int(rank.switch_off_wanted), *v] for rank, ok, v in zip(ranks, oks, votes)]
     agreed = [max(column) for column in zip(*flags)]
     for rank in ranks:
         rank.max_over_ranks = lambda own, agreed=agreed: agreed
-    return [rank.agree(ok) for rank, ok in zip(ranks, oks)]
+    results = [rank.agree(ok, v) for rank, ok, v in zip(ranks, oks, votes)]
+    assert all(result[1] == results[0][1] for result in results)  # every rank the same decisions
+    return [may_draft for may_draft, _ in results]
 
 
 def test_a_fault_or_a_switch_off_on_one_rank_is_every_ranks(caplog):
@@ -63,7 +66,14 @@ def test_a_fault_or_a_switch_off_on_one_rank_is_every_ranks(caplog):
         ranks[1].record(ValueError("boom"))
     assert agree_on_all(ranks, [True, True]) == [False, False]
     assert [r.disabled for r in ranks] == [True, True]
-    assert [r.agree(True) for r in ranks] == [False, False]  # no collective once off everywhere
+    assert [r.agree(True)[0] for r in ranks] == [False, False]  # no collective once off everywhere
+
+
+def test_the_ranks_share_their_other_decisions_by_their_maximum():
+    ranks = [FailSafe(), FailSafe()]
+    for rank, vote in zip(ranks, (0, 1)):
+        rank.max_over_ranks = lambda own: [0, 0, 1]
+        assert rank.agree(True, (vote,)) == (True, [1])
 
 
 def test_fault_points_raise_only_where_and_when_asked(monkeypatch):

@@ -1,7 +1,9 @@
 """`vllm serve` with self-admg, end to end through the official openai client on loopback: a
 plain server and a self-admg server run side by side on the tiny model, and every greedy
 response must be identical. Also: streaming, chat, stop strings, max_tokens, logprobs, seeds,
-mixed temperatures in flight, client disconnects, bad requests, and a bounded load test."""
+mixed temperatures in flight, client disconnects, bad requests, a bounded load test, the
+proposer's counters on /metrics without dev mode, and the default options with tenants, stop
+strings, dropped streams and a fault."""
 
 import json
 import time
@@ -30,15 +32,14 @@ def server_flags(logs) -> list[str]:
 def servers(tiny_model_path, mixed_options, tmp_path_factory):
     """(plain, self-admg), started at once. Chunked prefill with a 128-token budget, so long
     prompts and busy batches split prefills. The self-admg server logs at debug level (the
-    per-request skip counts) and answers /collective_rpc for its proposer's state."""
+    per-request skip counts); it runs as in production, without vLLM's dev mode, and its
+    proposer's counters are read where an operator reads them, on /metrics."""
     logs = tmp_path_factory.mktemp("serve")
     common = server_flags(logs)
     plain = serve_load.VllmServer(tiny_model_path, *common, log_path=logs / "plain.log")
     admg = serve_load.VllmServer(
         tiny_model_path, *common, "--speculative-config", json.dumps(mixed_options),
-        "--worker-extension-cls", "vllm_selfspec.report.SelfAdmgWorkerExtension",
-        log_path=logs / "self-admg.log",
-        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "DEBUG"})
+        log_path=logs / "self-admg.log", env={"VLLM_LOGGING_LEVEL": "DEBUG"})
     try:
         plain.start(), admg.start()
         plain.wait_until_healthy(), admg.wait_until_healthy()
@@ -68,8 +69,32 @@ def test_greedy_completions_match_plain_server(servers, tiny_prompts):
         a, b = complete(admg, prompt, **GREEDY), complete(plain, prompt, **GREEDY)
         assert completion_ids(a) == completion_ids(b) and a.choices[0].text == b.choices[0].text
         assert a.usage.completion_tokens == 24 and a.choices[0].finish_reason == "length"
-    state = admg.rpc("self_admg_state")[0]
-    assert state["prompts_measured"] >= len(tiny_prompts) and state["draft_tokens"] > 0
+    # The workers publish once a second.
+    assert wait_until(lambda: self_admg_metric(admg, "probes_total") >= len(tiny_prompts))
+    assert self_admg_metric(admg, "draft_tokens_total") > 0
+
+
+def self_admg_metric(server, name: str) -> float:
+    """A self-admg counter or gauge on the server's /metrics, summed over its labels."""
+    return server.metrics().get(f"vllm:self_admg_{name}", 0.0)
+
+
+def test_operators_read_the_proposer_on_metrics_without_dev_mode(servers):
+    """Every counter an operator watches is on /metrics; vLLM's dev-mode routes are not mounted
+    (they would let anyone reset or drive the engine, whatever --api-key says)."""
+    import httpx
+
+    _, admg = servers
+    names = set(admg.metrics())
+    for name in ("faults_total", "steps_skipped_for_faults_total", "drafting_disabled", "draft_tokens_total",
+                 "lookup_tokens_accepted_total", "probes_total", "probe_seconds_total", "proposer_steps_total",
+                 "proposer_seconds_total", "requests_holding_state"):
+        assert f"vllm:self_admg_{name}" in names, name
+    assert wait_until(lambda: self_admg_metric(admg, "proposer_steps_total") > 0)
+    assert self_admg_metric(admg, "drafting_disabled") == 0
+    assert httpx.post(admg.url("/collective_rpc"), json={"method": "self_admg_state"}, timeout=10).status_code == 404
+    text = httpx.get(admg.url("/metrics"), timeout=10).text
+    assert 'vllm:self_admg_draft_tokens_total{rank="0",source="self"}' in text
 
 
 def test_chat_and_streaming_match_plain_server(servers):
@@ -157,7 +182,7 @@ def test_client_disconnect_frees_its_request(servers):
     assert next(stream).choices[0].text is not None  # under way: 480 tokens to go
     stream.close()
     assert wait_until(lambda: admg.metrics()["vllm:num_requests_running"] == 0)
-    assert wait_until(lambda: admg.rpc("self_admg_state")[0]["live_requests"] == [])
+    assert wait_until(lambda: self_admg_metric(admg, "requests_holding_state") == 0)
     assert admg.metrics()["vllm:kv_cache_usage_perc"] == 0
     assert admg.healthy()
 
@@ -205,9 +230,7 @@ def faulty_server(tiny_model_path, mixed_options, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve-faults")
     server = serve_load.VllmServer(
         tiny_model_path, *server_flags(logs), "--speculative-config", json.dumps(mixed_options),
-        "--worker-extension-cls", "vllm_selfspec.report.SelfAdmgWorkerExtension",
-        log_path=logs / "self-admg.log",
-        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_SELFSPEC_INJECT_FAULT": "draft@every"})
+        log_path=logs / "self-admg.log", env={"VLLM_SELFSPEC_INJECT_FAULT": "draft@every"})
     try:
         server.start()
         server.wait_until_healthy()
@@ -223,10 +246,62 @@ def test_injected_fault_in_every_draft_keeps_the_server_answering(servers, fault
         responses = list(pool.map(lambda p: complete(faulty_server, p, **GREEDY), tiny_prompts * 2))
     expected = [completion_ids(complete(plain, p, **GREEDY)) for p in tiny_prompts * 2]
     assert [completion_ids(r) for r in responses] == expected
-    state = faulty_server.rpc("self_admg_state")[0]
-    assert state["drafting_disabled"] and state["faults"] >= 1
+    assert wait_until(lambda: self_admg_metric(faulty_server, "drafting_disabled") == 1)
+    assert self_admg_metric(faulty_server, "faults_total") >= 1
     assert faulty_server.healthy()
-    assert "self-admg switched off after" in faulty_server.log()
+    assert faulty_server.log().count("self-admg switched off after") == 1  # one ERROR line, ever
+
+
+@pytest.fixture(scope="module")
+def default_server(tiny_model_path, tmp_path_factory):
+    """Self-admg as `vllm serve MODEL --speculative-model self-admg` gives it (lookup, tenant
+    history, the controller), without dev mode, with one injected fault on the way."""
+    logs = tmp_path_factory.mktemp("serve-default")
+    server = serve_load.VllmServer(
+        tiny_model_path, *server_flags(logs), "--speculative-model", "self-admg",
+        log_path=logs / "self-admg.log", env={"VLLM_SELFSPEC_INJECT_FAULT": "lookup@40"})
+    try:
+        server.start()
+        server.wait_until_healthy()
+        yield server
+    finally:
+        if hasattr(server, "process"):
+            server.stop()
+
+
+def test_default_options_serve_tenants_stop_strings_aborts_and_a_fault_like_plain(servers, default_server,
+                                                                                   tiny_prompts):
+    """Two tenants and requests without a salt, in one batch and again (so that history has
+    earlier outputs to draft from), stop strings, streams the client drops: every answer is
+    the plain server's, a fault costs only a step's drafts, and the server is healthy after."""
+    plain, _ = servers
+
+    def ask(server, job):
+        prompt, salt, stop = job
+        extra = {**GREEDY["extra_body"], **({"cache_salt": salt} if salt else {})}
+        response = complete(server, prompt, **{**GREEDY, "max_tokens": 48, "extra_body": extra},
+                            **({"stop": [stop]} if stop else {}))
+        return response.choices[0].text, response.choices[0].finish_reason
+
+    stops = {p: complete(plain, p, **GREEDY).choices[0].text[6:9] for p in tiny_prompts}
+    jobs = [(p, salt, stop) for p in tiny_prompts for salt in (None, "alice", "bob")
+            for stop in (None, stops[p] if stops[p].strip() else None)]
+    for _ in range(2):
+        dropped = [complete(default_server, p, stream=True, temperature=0, max_tokens=400,
+                            extra_body={"ignore_eos": True, "cache_salt": "mallory"}) for p in tiny_prompts[:2]]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda job: ask(default_server, job), jobs))
+        for stream in dropped:
+            assert next(stream).choices[0].text is not None
+            stream.close()
+        assert answers == [ask(plain, job) for job in jobs]
+    assert default_server.healthy()
+    assert wait_until(lambda: default_server.metrics()["vllm:num_requests_running"] == 0)
+    assert wait_until(lambda: self_admg_metric(default_server, "faults_total") == 1)
+    assert self_admg_metric(default_server, "drafting_disabled") == 0
+    assert self_admg_metric(default_server, "draft_tokens_total") > 0
+    assert complete(default_server, tiny_prompts[0], **GREEDY).choices[0].text == \
+        complete(plain, tiny_prompts[0], **GREEDY).choices[0].text
 
 
 def test_logs_show_skip_counts_and_acceptance(servers):

@@ -64,22 +64,23 @@ class FailSafe:
             self.record(err)
             return None
 
-    def agree(self, ok: bool) -> bool:
-        """Whether every rank may draft this step: this rank did its part (`ok`), no rank
-        failed, and none wants drafting off. Every rank must call it in every step until
+    def agree(self, ok: bool, votes: tuple[int, ...] = ()) -> tuple[bool, list[int]]:
+        """Whether every rank may draft this step (this rank did its part, `ok`, no rank failed
+        and none wants drafting off), and the maximum over ranks of each of `votes` (other
+        per-step decisions the ranks must share). Every rank must call it in every step until
         drafting is off, since it is a collective."""
         if self.disabled:
-            return False
-        failed, off = self.max_over_ranks([int(not ok), int(self.switch_off_wanted)])
+            return False, list(votes)
+        failed, off, *agreed = self.max_over_ranks([int(not ok), int(self.switch_off_wanted), *votes])
         if off:
             self.disabled = True
             logger.error("self-admg switched off after drafting faults (%d on this rank, %d in a row): "
                          "serving on as plain decoding", self.faults, self.consecutive)
-            return False
+            return False, agreed
         if failed:
             self.steps_skipped += 1
-            return False
-        return True
+            return False, agreed
+        return True, agreed
 
     def call(self, step, fallback):
         """`step()`, or `fallback()` if it raises or drafting is switched off."""

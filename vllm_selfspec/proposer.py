@@ -81,6 +81,7 @@ class SelfAdmgProposer:
                         if self.options.lookup and self.options.lookup_history else None)
         self._drafted: dict[str, DraftMade] = {}
         self._step_end: float | None = None
+        self._look_up = True  # the ranks' agreed decision, for the next step
         self._steps_since_admission = 0
         self.fail_safe = FailSafe(max_over_ranks=max_over_ranks)
         MetricsPublisher.from_environment(rank=tensor_parallel_rank()).start(lambda: metrics_snapshot(self))
@@ -110,13 +111,24 @@ class SelfAdmgProposer:
                 return self._no_drafts(rows)
             step = StepView(runner, scheduler_output, sampled_token_ids)
             prepared = self.fail_safe.attempt(lambda: self._prepare(step))
-            if not self.fail_safe.agree(prepared is not None):
+            may_draft, (look_up,) = self.fail_safe.agree(prepared is not None, (int(self._wants_lookup(step)),))
+            self._look_up = bool(look_up)
+            if not may_draft:
                 return self._no_drafts(rows)
             return self.fail_safe.call(lambda: self._draft(step, prepared, common_attn_metadata),
                                        lambda: self._no_drafts(rows))
         finally:
             self.counters.propose_calls += 1
             self.counters.propose_seconds += time.perf_counter() - start
+
+    def _wants_lookup(self, step: StepView) -> bool:
+        """This rank's vote on looking up next step (the ranks look up if any wants to): it is
+        paid on every row before any plan, so the controller weighs it against what it saved."""
+        try:
+            return not self.options.lookup or not self.options.adaptive or self.controller.look_up_next(len(step.rows))
+        except Exception as err:  # a vote is no reason to skip the agreement
+            self.fail_safe.record(err)
+            return True
 
     def _no_drafts(self, rows: int) -> list[list[int]]:
         self._drafted = {}
@@ -180,6 +192,7 @@ class SelfAdmgProposer:
                 accepted = step.accepted(row.index)
                 self.controller.observe_draft(row.req_id, made.source, made.length, accepted, made.bins, made.estimated)
                 if made.source != DraftSource.SELF:
+                    self.controller.observe_lookup_accepted(min(accepted, made.length))
                     self.counters.lookup_accepted += min(accepted, made.length)
                     self.counters.lookup_expected += made.expected
                     self.counters.lookup_estimated += made.estimated
@@ -195,13 +208,17 @@ class SelfAdmgProposer:
         """Each row's best lookup draft (NO_DRAFT where lookup is off or finds nothing)."""
         fault_point("lookup")
         found = []
+        start, looked_up = time.perf_counter(), 0
         for row, budget in zip(rows, budgets):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
-            if self.options.lookup and budget:
+            if self.options.lookup and self._look_up and budget:
                 history = self.history.pool(step.tenant(row.index)) if self.history is not None else None
                 source, draft = lookup_draft(step.context(row.index), budget, self.options.lookup_max_match,
                                              history)
+                looked_up += 1
             found.append((source, draft))
+        if looked_up:
+            self.controller.observe_lookup(looked_up, time.perf_counter() - start)
         return found
 
     def _plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:

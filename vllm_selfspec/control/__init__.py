@@ -1,9 +1,10 @@
 """How much to draft, from measured costs and acceptance: pure arithmetic, no vLLM.
 
-Three parts, each unit-tested in tests/test_controller.py:
+Four parts, each unit-tested in tests/test_controller.py:
 - `step_costs`: what a target step, a self-draft step and a probe cost (fitted online);
 - `acceptance`: how likely a draft token is to be accepted (per source, request, lookup bin);
-- `planner`: from both, how many tokens each row drafts this step, and from which source.
+- `planner`: from both, how many tokens each row drafts this step, and from which source;
+- `lookup_gate`: whether looking up, paid every step before any plan, saves what it costs.
 
 `DraftController` holds the three for the proposer, which tells it what happened (`observe_*`)
 and asks it, each step, for a `DraftPlan`.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_selfspec.control.acceptance import AcceptanceModel, AcceptanceRate, BinPrior, DraftSource
+from vllm_selfspec.control.lookup_gate import LookupGate
 from vllm_selfspec.control.planner import DraftPlan, DraftPlanner, RowOffer
 from vllm_selfspec.control.step_costs import StepCostModel
 
@@ -33,6 +35,7 @@ class LookupExpectation:
 class DraftController:
     costs: StepCostModel = field(default_factory=StepCostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    lookup_gate: LookupGate = field(default_factory=LookupGate)
     planner: DraftPlanner = field(init=False)
 
     def __post_init__(self):
@@ -53,12 +56,25 @@ class DraftController:
                       bins: list[BinPrior] = (), estimated: float = 0.0) -> None:
         self.acceptance.observe_draft(req_id, source, drafted, accepted, bins, estimated)
 
+    def observe_lookup(self, rows: int, seconds: float) -> None:
+        self.lookup_gate.observe_lookup(rows, seconds)
+
+    def observe_lookup_accepted(self, tokens: int) -> None:
+        self.lookup_gate.observe_accepted(tokens)
+
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)
 
     # What to do.
     def plan(self, offers: list[RowOffer], self_budget: int, draining: bool = False) -> DraftPlan:
         return self.planner.plan(offers, self_budget, draining)
+
+    def look_up_next(self, rows: int) -> bool:
+        """Whether to look up next step, for a batch of `rows` (`lookup_gate`)."""
+        if not self.costs.ready or rows == 0:
+            return self.lookup_gate.open(None)
+        step = self.costs.target()
+        return self.lookup_gate.open(step.t0 / rows + step.t_row)
 
     def calibration(self, offer: RowOffer, length: int | None = None) -> list[BinPrior]:
         return self.acceptance.calibration(offer, length)

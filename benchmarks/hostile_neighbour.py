@@ -1,0 +1,151 @@
+"""A served request beside a hostile one: does a prompt of one repeated token slow everyone else?
+
+Lookup runs for every row every step, and a context of one token repeated is its worst case
+(every earlier position an occurrence). This starts a plain server and a self-admg server side
+by side (the idle one waits without computing), and in alternating rounds sends each of them a
+long hostile prompt (--hostile-tokens of one token, decoding --hostile-output tokens) and, once
+its prefill is done, an ordinary HumanEval prompt beside it. It prints and saves the ordinary
+request's time per output token (and the hostile one's) per round, self-admg over plain of the
+same round, with plain's own spread across rounds beside it.
+
+    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python -m benchmarks.hostile_neighbour
+    ... --rounds 5 --hostile-tokens 7000
+
+Writes table.md, results.csv, tpot.png and environment.json to --out (default: a dated folder in
+the cache, outside the repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.output import default_out
+from benchmarks.serve_load import VllmServer, server_flags
+
+HOSTILE_TOKEN = 11  # any single token id; its repetition is what makes the lookup's worst case
+
+
+def streamed_tpot(server: VllmServer, prompt, max_tokens: int, started: threading.Event | None = None) -> float:
+    """Seconds per output token after the first, of one streamed greedy completion."""
+    stream = server.client(timeout=600).completions.create(
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    first = last = None
+    tokens = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            last = time.perf_counter()
+            first = first or last
+            if started is not None:
+                started.set()
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return (last - first) / max(tokens - 1, 1)
+
+
+def one_round(server: VllmServer, ordinary: str, args) -> dict[str, float]:
+    hostile_prompt = [HOSTILE_TOKEN] * args.hostile_tokens
+    started, result = threading.Event(), {}
+    hostile = threading.Thread(target=lambda: result.update(
+        hostile=streamed_tpot(server, hostile_prompt, args.hostile_output, started)))
+    hostile.start()
+    started.wait(600)  # its prefill done: from now on it decodes beside the ordinary request
+    result["ordinary"] = streamed_tpot(server, ordinary, args.ordinary_output)
+    hostile.join()
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default=None, help="default: the CPU's native choice")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hostile-tokens", type=int, default=7000, help="length of the repeated-token prompt")
+    parser.add_argument("--hostile-output", type=int, default=384)
+    parser.add_argument("--ordinary-output", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> Path:
+    from benchmarks import assets
+    from benchmarks.engine import bind_worker_cores, choose_dtype
+    from benchmarks.run import environment
+
+    args = parse_args(argv)
+    args.dtype, args.dtype_reason = choose_dtype(args.dtype)
+    print(f"cores {bind_worker_cores().reason}; dtype {args.dtype_reason}", flush=True)
+    out = args.out or default_out("hostile-neighbour")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
+    model = assets.model_or_path(args.model)
+    ordinary = assets.load_prompts("humaneval")[0]
+    common = server_flags(model, args.dtype, args.max_model_len, kv_cache_gb=2, seed=0)
+    servers = {"plain": VllmServer(model, *common, log_path=out / "plain.log"),
+               "self-admg": VllmServer(model, *common, "--speculative-model", "self-admg",
+                                       log_path=out / "self-admg.log")}
+    rows = []
+    try:
+        for server in servers.values():
+            server.start().wait_until_healthy()
+            one_round(server, ordinary, args)  # warm-up, unmeasured
+        for round_ in range(args.rounds):
+            for name, server in servers.items():
+                tpot = one_round(server, ordinary, args)
+                rows.append({"round": round_, "server": name, "ordinary_tpot_ms": 1e3 * tpot["ordinary"],
+                             "hostile_tpot_ms": 1e3 * tpot["hostile"]})
+                print(rows[-1], flush=True)
+    finally:
+        for server in servers.values():
+            if hasattr(server, "process"):
+                server.stop()
+    write(rows, out, args)
+    return out
+
+
+def write(rows: list[dict], out: Path, args) -> None:
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"Ordinary request ({args.ordinary_output} tokens) beside a prompt of {args.hostile_tokens} "
+             f"repeated tokens ({args.hostile_output} tokens out); {args.model}, {args.dtype}; "
+             "ms per output token; self-admg over plain of the same round, plain over plain's mean.", "",
+             "| round | plain | self-admg | ratio | plain / plain's mean | hostile: plain | hostile: self-admg |",
+             "|---|---|---|---|---|---|---|"]
+    by = {(r["round"], r["server"]): r for r in rows}
+    plain_mean = statistics.mean(r["ordinary_tpot_ms"] for r in rows if r["server"] == "plain")
+    for round_ in range(args.rounds):
+        p, s = by[(round_, "plain")], by[(round_, "self-admg")]
+        lines.append(f"| {round_} | {p['ordinary_tpot_ms']:.1f} | {s['ordinary_tpot_ms']:.1f} | "
+                     f"{s['ordinary_tpot_ms'] / p['ordinary_tpot_ms']:.2f}x | "
+                     f"{p['ordinary_tpot_ms'] / plain_mean:.2f} | {p['hostile_tpot_ms']:.1f} | "
+                     f"{s['hostile_tpot_ms']:.1f} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print("\n" + table)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name in ("plain", "self-admg"):
+        ax.plot([r["round"] for r in rows if r["server"] == name],
+                [r["ordinary_tpot_ms"] for r in rows if r["server"] == name], "o-", label=name)
+    ax.set(xlabel="round", ylabel="ms per output token", title="ordinary request beside a hostile prompt")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tpot.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Whether looking up pays for itself.
+
+Every row that may draft looks up every step, before any plan, so the lookup's time is paid
+whether or not a draft is taken: on the step's critical path, for every request in the batch.
+It is bounded (`vllm_selfspec.lookup`), and usually small beside a step, but when what the
+lookups find is rarely accepted (contexts that never repeat, a batch of hostile prompts) it buys
+nothing. The gate weighs the seconds lookups took against the seconds their accepted tokens
+saved (each accepted token saves a row its share of a step), over the last steps looked up; if
+lookups cost more, it stops looking up and tries again after a back-off, as the planner retries
+self-drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FIRST_RETRY_AFTER = 16  # steps without lookup before one is tried again; doubles after each
+LAST_RETRY_AFTER = 1024
+MIN_ROW_LOOKUPS = 64  # row lookups measured before the gate ever closes
+
+
+@dataclass
+class LookupGate:
+    decay: float = 0.9  # per step looked up: the last few dozen steps count
+    row_lookups: float = 0.0
+    seconds: float = 0.0  # that they took
+    accepted: float = 0.0  # lookup tokens verification accepted of their drafts
+    samples: int = 0
+    retry_after: int = FIRST_RETRY_AFTER
+    steps_closed: int = 0
+
+    def observe_lookup(self, rows: int, seconds: float) -> None:
+        self.row_lookups = self.row_lookups * self.decay + rows
+        self.seconds = self.seconds * self.decay + seconds
+        self.accepted *= self.decay
+        self.samples += rows
+
+    def observe_accepted(self, tokens: int) -> None:
+        self.accepted += tokens
+
+    def pays(self, seconds_per_token: float | None) -> bool:
+        """Whether lookups save more than they cost (`seconds_per_token`: what one token costs a
+        row at this step's batch; None while the step costs are not known yet)."""
+        return (seconds_per_token is None or self.samples < MIN_ROW_LOOKUPS
+                or self.accepted * seconds_per_token >= self.seconds)
+
+    def open(self, seconds_per_token: float | None) -> bool:
+        """Whether to look up next step: while lookups pay, and once per back-off when not."""
+        if self.pays(seconds_per_token):
+            self.steps_closed, self.retry_after = 0, FIRST_RETRY_AFTER
+            return True
+        self.steps_closed += 1
+        if self.steps_closed < self.retry_after:
+            return False
+        self.steps_closed, self.retry_after = 0, min(2 * self.retry_after, LAST_RETRY_AFTER)
+        return True
