@@ -93,7 +93,7 @@ def test_mlp_threshold_is_separate():
     ({"keep_edge_layers": -1}, "'keep_edge_layers' must be in [0, 1000000]"),
     ({"fill_gaps": 1.5}, "'fill_gaps' must be an integer"),
     ({"draft_exit_threshold": 1.2}, "'draft_exit_threshold' must be in [0.0, 1.0]"),
-    ({"lookup_history": -5}, "'lookup_history' must be in [0, 100000000]"),
+    ({"lookup_history": -5}, "'lookup_history' must be in [0, 262144]"),
 ])
 def test_bad_options_name_the_option_and_the_allowed_values(raw, fragment):
     with pytest.raises(SelfAdmgConfigError) as err:

@@ -288,6 +288,26 @@ def test_a_draft_that_only_breaks_even_is_not_made():
         assert (sum(plan.lookup_lengths) > 0) == drafts
 
 
+def test_requests_waiting_for_admission_raise_what_a_draft_must_gain():
+    """At capacity prompts queue, and every second a draft adds to the step delays each queued
+    request's first token: a draft that beats the batch's rate by the margin is made with no
+    queue, and not with a queue as long as the batch; one that gains far more still is. With
+    nothing waiting (light load) the plan is unchanged."""
+    from vllm_selfspec.control.planner import DRAFT_MARGIN
+
+    t0, t1 = 0.03, 0.0005  # 45 rows: a 52.5 ms step, 857 tokens a second; a draft token 0.5 ms
+    step = t0 + 45 * t1
+    margin = (1 + DRAFT_MARGIN) * 45 / step * t1  # what a token must be worth with nothing waiting: 0.51
+    queue = 45 / step * t1  # and what 45 queued requests add: 0.43
+    for accepted, waiting, drafts in ((margin + 0.1, 0, True), (margin + 0.1, 45, False),
+                                      (margin + queue + 0.03, 45, True)):
+        controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=accepted, self_rate=0.1)
+        offers = lookup_rows(*[1] * 45)
+        assert (sum(controller.plan(offers, self_budget=0, waiting=waiting).lookup_lengths) > 0) == drafts
+        if not waiting:
+            assert controller.plan(offers, self_budget=0) == controller.plan(offers, self_budget=0, waiting=0)
+
+
 def observe_shares(calibration, accepted_share: float, drafts: int = 2000) -> None:
     """One-token drafts estimated at 1, accepted_share of them accepted, evenly spread."""
     for k in range(drafts):
@@ -577,11 +597,21 @@ def test_lookup_stops_when_it_costs_more_than_its_accepted_tokens_save_and_is_re
     for _ in range(20):
         gate.observe_lookup(8, 0.040)
     assert not gate.pays(seconds_per_token)
-    decisions = [gate.open(seconds_per_token) for _ in range(3 * FIRST_RETRY_AFTER)]
-    assert decisions.index(True) == FIRST_RETRY_AFTER - 1 and sum(decisions) == 2  # then after twice as long
-    # Accepted tokens worth more than the lookups' time open it again.
-    gate.observe_lookup(8, 0.040)
-    gate.observe_accepted(50)
+    decisions = [gate.open(seconds_per_token) for _ in range(FIRST_RETRY_AFTER)]
+    assert decisions == [False] * (FIRST_RETRY_AFTER - 1) + [True]
+    # A retry measures afresh: open until enough lookups are measured, closed again if they still
+    # cost more, and retried after twice as long.
+    retried = 0
+    while gate.open(seconds_per_token):
+        gate.observe_lookup(8, 0.040)
+        retried += 1
+    assert retried == MIN_ROW_LOOKUPS // 8
+    decisions = [gate.open(seconds_per_token) for _ in range(2 * FIRST_RETRY_AFTER)]
+    assert decisions.index(True) == 2 * FIRST_RETRY_AFTER - 2  # (the loop's last call was the first)
+    # Accepted tokens worth more than the lookups' time keep it open.
+    for _ in range(MIN_ROW_LOOKUPS // 8):
+        gate.observe_lookup(8, 0.040)
+        gate.observe_accepted(5)
     assert gate.pays(seconds_per_token) and gate.open(seconds_per_token)
     # Cheap lookups pay with few accepted tokens.
     cheap = LookupGate()
@@ -589,3 +619,50 @@ def test_lookup_stops_when_it_costs_more_than_its_accepted_tokens_save_and_is_re
         cheap.observe_lookup(8, 0.0004)
         cheap.observe_accepted(1)
     assert cheap.open(seconds_per_token)
+
+
+def naive_histories(max_tokens: int, adds) -> dict:
+    """The pools TenantHistories should hold, by the rule itself: every output kept per tenant
+    with its separator, the least recently used tenant's oldest outputs dropped first."""
+    from collections import OrderedDict
+
+    pools: OrderedDict = OrderedDict()
+    for tenant, output in adds:
+        outputs = pools.pop(tenant, [])
+        pools[tenant] = [*outputs, list(output)]
+        own = sum(len(o) + 1 for o in pools[tenant]) + 1
+        while own > max_tokens and pools[tenant]:  # a pool never holds more than the whole budget
+            own -= len(pools[tenant].pop(0)) + 1
+        total = lambda: sum(sum(len(o) + 1 for o in outs) + 1 for outs in pools.values())  # noqa: E731
+        while total() > max_tokens:
+            oldest = next(iter(pools))
+            excess = total() - max_tokens
+            while excess > 0 and pools[oldest]:
+                excess -= len(pools[oldest].pop(0)) + 1
+            if not pools[oldest]:
+                del pools[oldest]
+    return {t: [SEPARATOR] + [x for o in outs for x in [*o, SEPARATOR]] for t, outs in pools.items()}
+
+
+def test_tenant_histories_keep_what_the_rule_says_and_drop_cheaply():
+    from vllm_selfspec.lookup import TenantHistories
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        max_tokens = int(rng.integers(5, 60))
+        adds = [(int(rng.integers(0, 4)) if rng.random() < 0.8 else None,
+                 rng.integers(0, 9, int(rng.integers(0, 12)))) for _ in range(int(rng.integers(1, 30)))]
+        histories = TenantHistories(max_tokens)
+        for tenant, output in adds:
+            histories.add(tenant, output)
+        want = naive_histories(max_tokens, adds)
+        got = {t: pool.tokens.tolist() for t, pool in histories.pools.items()}
+        assert got == want, (trial, max_tokens)
+        assert len(histories) == sum(len(p) for p in histories.pools.values()) <= max_tokens
+    # One tenant's many one-token outputs, then another tenant's long output: the eviction drops
+    # thousands of outputs with one slice (a scan per dropped output took a third of a second).
+    histories = TenantHistories(65_536)
+    for _ in range(30_000):
+        histories.add("many", np.array([1]))
+    histories.add("long", np.arange(60_000))
+    assert len(histories) <= 65_536 and len(histories.pool("long")) == 60_002

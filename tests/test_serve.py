@@ -224,13 +224,11 @@ def test_load_side_by_side(servers, tiny_prompts):
     assert drafted >= accepted > 0
 
 
-@pytest.fixture(scope="module")
-def faulty_server(tiny_model_path, mixed_options, tmp_path_factory):
-    """A self-admg server whose every draft step raises: it must answer like the plain one."""
-    logs = tmp_path_factory.mktemp("serve-faults")
-    server = serve_load.VllmServer(
-        tiny_model_path, *server_flags(logs), "--speculative-config", json.dumps(mixed_options),
-        log_path=logs / "self-admg.log", env={"VLLM_SELFSPEC_INJECT_FAULT": "draft@every"})
+def self_admg_server(model, tmp_path_factory, name: str, *method_flags: str, env: dict):
+    """A self-admg server for a module's tests (a generator for a fixture to yield from)."""
+    logs = tmp_path_factory.mktemp(name)
+    server = serve_load.VllmServer(model, *server_flags(logs), *method_flags, log_path=logs / "self-admg.log",
+                                   env=env)
     try:
         server.start()
         server.wait_until_healthy()
@@ -238,6 +236,13 @@ def faulty_server(tiny_model_path, mixed_options, tmp_path_factory):
     finally:
         if hasattr(server, "process"):
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def faulty_server(tiny_model_path, mixed_options, tmp_path_factory):
+    """A self-admg server whose every draft step raises: it must answer like the plain one."""
+    yield from self_admg_server(tiny_model_path, tmp_path_factory, "serve-faults", "--speculative-config",
+                                json.dumps(mixed_options), env={"VLLM_SELFSPEC_INJECT_FAULT": "draft@every"})
 
 
 def test_injected_fault_in_every_draft_keeps_the_server_answering(servers, faulty_server, tiny_prompts):
@@ -256,17 +261,8 @@ def test_injected_fault_in_every_draft_keeps_the_server_answering(servers, fault
 def default_server(tiny_model_path, tmp_path_factory):
     """Self-admg as `vllm serve MODEL --speculative-model self-admg` gives it (lookup, tenant
     history, the controller), without dev mode, with one injected fault on the way."""
-    logs = tmp_path_factory.mktemp("serve-default")
-    server = serve_load.VllmServer(
-        tiny_model_path, *server_flags(logs), "--speculative-model", "self-admg",
-        log_path=logs / "self-admg.log", env={"VLLM_SELFSPEC_INJECT_FAULT": "lookup@40"})
-    try:
-        server.start()
-        server.wait_until_healthy()
-        yield server
-    finally:
-        if hasattr(server, "process"):
-            server.stop()
+    yield from self_admg_server(tiny_model_path, tmp_path_factory, "serve-default", "--speculative-model",
+                                "self-admg", env={"VLLM_SELFSPEC_INJECT_FAULT": "lookup@40"})
 
 
 def test_default_options_serve_tenants_stop_strings_aborts_and_a_fault_like_plain(servers, default_server,

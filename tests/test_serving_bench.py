@@ -358,3 +358,33 @@ def test_the_step_split_reads_step_times_from_the_requests_served_alone():
     assert (found.requests_alone, found.requests) == (1, 3)
     assert found.step_ms == pytest.approx(20.0) and found.tokens_per_step == pytest.approx(2.0)
     assert step_split.split({**result, "start_times": [0.0, 0.5, 0.6]}) is None  # all overlap
+
+
+def test_verdicts_say_faster_or_slower_only_beyond_plains_own_spread():
+    from benchmarks.serving import verdicts
+
+    rows = [{"workload": "code", "load": "max", "server": "plain", "throughput_x": "0.97-1.03",
+             "mean_tpot_x": "0.98-1.02", "p99_ttft_x": "0.95-1.05"},
+            {"workload": "code", "load": "max", "server": "self-admg", "throughput_x": "1.05-1.10",
+             "mean_tpot_x": "0.99-1.01", "p99_ttft_x": "1.10-1.20"}]
+    (line,) = verdicts(rows)
+    assert "throughput 1.05-1.10 (faster" in line and "mean TPOT 0.99-1.01 (level" in line
+    assert "p99 first token 1.10-1.20 (slower" in line  # a time: above 1 is later
+    rows[1]["throughput_x"] = "1.00-1.10"  # one round inside plain's spread: level
+    assert "throughput 1.00-1.10 (level" in verdicts(rows)[0]
+
+
+def test_decide_runs_plain_against_self_admg_in_rounds_on_your_prompts(tmp_path):
+    from benchmarks.serving import first_prompts, parse_args
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt": "def f(x):"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    args = parse_args(["--decide", "--prompts-file", str(mine)])
+    assert (args.methods, args.rounds, args.load, args.workloads) == (["self-admg"], 3, [0.1, 1.5], ["own"])
+    assert parse_args(["--decide", "--rounds", "5", "--load", "0.3"]).rounds == 5
+
+    class Template:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "user: " + messages[0]["content"]
+
+    assert first_prompts("own", Template(), mine) == ["def f(x):", "user: hi"]

@@ -26,13 +26,17 @@ from vllm_selfspec.vllm_compat.patching import applied
 
 engine = dict(model=sys.argv[1], dtype="float32", max_model_len=512)
 plain = EngineArgs(**engine).create_engine_config()  # loads the plugin, which fails to patch
-try:
-    EngineArgs(**engine, speculative_config={"method": "self-admg"}).create_engine_config()
-    refused = None
-except Exception as err:
-    refused = f"{type(err).__name__}: {err}"
+refusals = []
+for spelling in (dict(speculative_config={"method": "self-admg"}),
+                 dict(spec_model="vllm_selfspec.proposer.SelfAdmgProposer", spec_tokens=4)):
+    try:
+        EngineArgs(**engine, **spelling).create_engine_config()
+        refusals.append(None)
+    except Exception as err:
+        refusals.append(f"{type(err).__name__}: {err}")
+refused = refusals[0]
 print("RESULT " + json.dumps(dict(
-    plain_spec=plain.speculative_config is None, refused=refused,
+    plain_spec=plain.speculative_config is None, refused=refused, refusals=refusals,
     patched=sorted(p.target for p in applied()),
     method_choices=list(typing.get_args(SpeculativeConfig.__dataclass_fields__["method"].type.__args__[0])
                         if hasattr(SpeculativeConfig.__dataclass_fields__["method"].type, "__args__") else []))))
@@ -48,6 +52,7 @@ def test_a_failed_patch_rolls_back_and_refuses_only_self_admg(tiny_model_path):
     assert result["plain_spec"]  # plain vLLM built its engine config
     assert result["refused"].startswith("SelfAdmgConfigError: self-admg is unavailable")
     assert "a patch target moved" in result["refused"]
+    assert result["refusals"][1] == result["refused"]  # the proposer's class path too
     # Nothing of the half-applied start-up is left but the refusal and its one-line errors.
     assert result["patched"] == ["sys.excepthook", "vllm.engine.arg_utils.EngineArgs.create_speculative_config"]
     assert "self-admg" not in json.dumps(result["method_choices"])
@@ -88,3 +93,21 @@ def test_the_proposers_class_path_is_checked_like_self_admg(tiny_model_path):
     with pytest.raises(SelfAdmgConfigError, match="does not support LoRA"):
         EngineArgs(model=str(tiny_model_path), dtype="float32", max_model_len=512, enable_lora=True,
                    speculative_config=custom).create_engine_config()
+
+
+def test_the_proposer_refuses_to_run_without_its_patches_or_its_front_door(tiny_model_path, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_selfspec import plugin
+    from vllm_selfspec.proposer import SelfAdmgProposer
+
+    engine = dict(model=str(tiny_model_path), dtype="float32", max_model_len=512)
+    config = EngineArgs(**engine, speculative_config={"method": "self-admg"}).create_engine_config()
+    monkeypatch.setattr(plugin, "patched", False)
+    with pytest.raises(SelfAdmgConfigError, match="patches of vLLM, which are not in place"):
+        SelfAdmgProposer(config)
+    monkeypatch.setattr(plugin, "patched", True)
+    # vLLM's own custom_class with our class, the front door bypassed: no KV lookahead, no options.
+    config.additional_config.pop("self_admg")
+    with pytest.raises(SelfAdmgConfigError, match="got no checked options"):
+        SelfAdmgProposer(config)

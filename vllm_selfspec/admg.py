@@ -26,8 +26,8 @@ design and are tested for what they promise in tests/test_admg.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from vllm_selfspec.options import SelfAdmgOptions
 
@@ -44,7 +44,7 @@ class SkipMask:
         return sum(self.attention) + sum(self.mlp)
 
     @classmethod
-    def keep_all(cls, num_layers: int) -> "SkipMask":
+    def keep_all(cls, num_layers: int) -> SkipMask:
         return cls((False,) * num_layers, (False,) * num_layers)
 
 

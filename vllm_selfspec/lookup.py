@@ -23,9 +23,8 @@ earlier occurrence says 1/2 for a copied sentence and for a code fragment alike)
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-
-from collections import OrderedDict
 
 import numba
 import numpy as np
@@ -188,31 +187,37 @@ class OutputHistory:
     """Earlier requests' outputs, for drafts that the row's own context does not offer.
 
     One token array, outputs separated by SEPARATOR, the oldest outputs dropped beyond
-    `max_tokens`; drafts come from `suffix_draft` over it, so frequent continuations win.
+    `max_tokens`; drafts come from `suffix_draft` over it, so frequent continuations win. Each
+    output owns the separator before it; their sizes are kept, so that dropping the oldest
+    outputs costs one slice however many go, never a scan of the history.
     """
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.tokens = np.full(1, SEPARATOR, dtype=np.int64)
+        self._sizes: deque[int] = deque()  # per output, oldest first: its tokens and its separator
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add(self, output: np.ndarray) -> None:
-        joined = np.concatenate([self.tokens, np.asarray(output, dtype=np.int64), [SEPARATOR]])
-        if len(joined) > self.max_tokens:  # drop whole outputs, oldest first
-            cut = len(joined) - self.max_tokens
-            cut += int(np.argmax(joined[cut:] == SEPARATOR))
-            joined = joined[cut:]
-        self.tokens = joined
+        output = np.asarray(output, dtype=np.int64)
+        self.tokens = np.concatenate([self.tokens, output, [SEPARATOR]])
+        self._sizes.append(len(output) + 1)
+        self.drop(len(self.tokens) - self.max_tokens)
 
     def draft(self, context: np.ndarray, max_tokens: int, max_match: int) -> LookupDraft:
         return suffix_draft(context, max_tokens, self.tokens, max_match)
 
-    def drop_oldest(self) -> None:
-        """Drop the oldest output (the history then may hold none: just its separator)."""
-        if len(self.tokens) > 1:
-            self.tokens = self.tokens[1 + int(np.argmax(self.tokens[1:] == SEPARATOR)):]
+    def drop(self, tokens: int) -> int:
+        """Drop the oldest whole outputs until at least `tokens` token ids are gone, or none is
+        left (just the leading separator); how many went."""
+        cut = 0
+        while cut < tokens and self._sizes:
+            cut += self._sizes.popleft()
+        if cut:
+            self.tokens = self.tokens[cut:]
+        return cut
 
 
 # A request whose tenant is not known: it neither drafts from any pool nor adds to one (fail
@@ -225,14 +230,15 @@ class TenantHistories:
     with its own `cache_salt` (None: the shared pool of requests without one, as in vLLM's
     prefix cache; UNKNOWN_TENANT: none at all). All pools together hold at most `max_tokens`
     token ids (8 bytes each, separators included): the least recently used tenant's oldest
-    outputs go first."""
+    outputs go first. Adding costs a copy of the tenant's own pool and the outputs dropped."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.pools: OrderedDict[str | None, OutputHistory] = OrderedDict()
+        self._total = 0  # len() of every pool together
 
     def __len__(self) -> int:
-        return sum(len(pool) for pool in self.pools.values())
+        return self._total
 
     def pool(self, tenant) -> OutputHistory | None:
         return None if tenant is UNKNOWN_TENANT else self.pools.get(tenant)
@@ -240,17 +246,19 @@ class TenantHistories:
     def add(self, tenant, output: np.ndarray) -> None:
         if tenant is UNKNOWN_TENANT:
             return
-        pool = self.pools.pop(tenant, None) or OutputHistory(self.max_tokens)
+        pool = self.pools.pop(tenant, None)
+        if pool is None:
+            pool = OutputHistory(self.max_tokens)
+            self._total += len(pool)
         self.pools[tenant] = pool  # the most recently used last
+        self._total -= len(pool)
         pool.add(output)
-        total = len(self)
-        while total > self.max_tokens:
+        self._total += len(pool)
+        while self._total > self.max_tokens:
             oldest_tenant, oldest = next(iter(self.pools.items()))
-            total -= len(oldest)
-            oldest.drop_oldest()
-            if len(oldest) > 1:
-                total += len(oldest)
-            else:  # no output left: the pool goes, separator and all
+            self._total -= oldest.drop(self._total - self.max_tokens)
+            if len(oldest) <= 1:  # no output left: the pool goes, separator and all
+                self._total -= len(oldest)
                 del self.pools[oldest_tenant]
 
 

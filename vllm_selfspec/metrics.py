@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,14 +66,18 @@ class MetricsPublisher:
     def from_environment(cls, rank: int = 0) -> MetricsPublisher:
         return cls(os.environ.get(METRICS_DIR_ENV), rank)
 
-    def start(self, snapshot: Callable[[], dict]) -> None:
+    def start(self, source, snapshot: Callable[[object], dict]) -> None:
+        """Publish `snapshot(source)` once a second for as long as `source` lives (the thread
+        holds it weakly, so it never keeps a proposer, and its model, alive)."""
         if self.path is None:
             return
-        threading.Thread(target=self._run, args=(snapshot,), name="self-admg-metrics", daemon=True).start()
+        threading.Thread(target=self._run, args=(weakref.ref(source), snapshot), name="self-admg-metrics",
+                         daemon=True).start()
 
-    def _run(self, snapshot: Callable[[], dict]) -> None:
-        while True:
-            self.publish(snapshot)
+    def _run(self, source: weakref.ref, snapshot: Callable[[object], dict]) -> None:
+        while (alive := source()) is not None:
+            self.publish(lambda: snapshot(alive))
+            del alive
             time.sleep(PUBLISH_EVERY_SECONDS)
 
     def publish(self, snapshot: Callable[[], dict]) -> None:

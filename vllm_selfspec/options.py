@@ -122,9 +122,10 @@ class SelfAdmgOptions:
     lookup: bool = option(
         True, "also draft by lookup: continue the context as its earlier occurrences did, and "
               "self-draft where lookup offers nothing")
+    # Bounded so that a lookup in it stays well under a millisecond per row and step.
     lookup_history: int = option(
         65536, "look up in the outputs of earlier requests with the same cache_salt too, keeping "
-               "the last N tokens over all tenants (0 = off)", 0, 100_000_000)
+               "the last N tokens over all tenants (0 = off)", 0, 262_144)
     adaptive: bool = option(
         True, "draft only as many tokens as measured step costs and acceptance say pay, down to "
               "none (false = always K)")
@@ -255,7 +256,7 @@ def parse_speculative_config(
 
 def options_table(experimental: bool = False) -> str:
     """The options as a Markdown table (the README's is this, kept equal by a test)."""
-    rows = [("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS, NUM_SPECULATIVE_TOKENS)] if not experimental else []
+    rows = [] if experimental else [("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS, NUM_SPECULATIVE_TOKENS)]
     rows += [(name, getattr(DEFAULTS, name), spec) for name, spec in SPECS.items()
              if spec.experimental == experimental]
     lines = ["| option | default | allowed | meaning |", "|---|---|---|---|"]

@@ -10,23 +10,35 @@ import logging
 logger = logging.getLogger("vllm.selfspec")
 
 _registered = False
+# Whether every patch is in place in this process: the proposer refuses to run without them (a
+# self-draft without the scheduler's KV lookahead would write into blocks it does not own).
+patched = False
 
 
 def register() -> None:
-    global _registered
+    global _registered, patched
     if _registered:
         return
     _registered = True
-    from vllm_selfspec.vllm_compat import apply_patches, patching
-
     try:
-        apply_patches()
+        from vllm_selfspec.vllm_compat import apply_patches
+
+        patched = apply_patches()
     except Exception as err:  # a plugin must never take plain vLLM down
-        patching.roll_back()
+        _roll_back()
         logger.warning("vllm-selfspec could not patch vLLM (%s: %s): its patches are rolled back, plain "
                        "vLLM runs unchanged, and the self-admg method is refused", type(err).__name__, err)
         _refuse_self_admg(f"self-admg is unavailable: vllm-selfspec could not patch vLLM ({type(err).__name__}: "
                           f"{err}); see the warning at start-up")
+
+
+def _roll_back() -> None:
+    try:
+        from vllm_selfspec.vllm_compat import patching
+
+        patching.roll_back()
+    except Exception as err:  # the proposer refuses to run in a process without its patches
+        logger.warning("vllm-selfspec could not roll its patches back: %s", err)
 
 
 def _refuse_self_admg(message: str) -> None:
@@ -34,5 +46,5 @@ def _refuse_self_admg(message: str) -> None:
         from vllm_selfspec.vllm_compat import front_door
 
         front_door.refuse_self_admg(message)
-    except Exception as err:  # even the refusal failed: the proposer's own check still refuses
+    except Exception as err:  # even the refusal failed: the proposer still refuses (`patched`)
         logger.warning("vllm-selfspec could not install its refusal of self-admg either: %s", err)

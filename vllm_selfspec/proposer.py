@@ -23,13 +23,18 @@ from vllm_selfspec.control import DraftController, DraftPlan, DraftSource, RowOf
 from vllm_selfspec.fail_safe import FailSafe, fault_point
 from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.lookup import warm_up as warm_up_lookup
+from vllm_selfspec.metrics import MetricsPublisher
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, SelfAdmgConfigError, make_options
+
 # SelfAdmgWorkerExtension is re-exported so that worker-extension paths naming this module work.
 from vllm_selfspec.report import ProposerCounters, SelfAdmgWorkerExtension, metrics_snapshot, prompt_key  # noqa: F401
-from vllm_selfspec.metrics import MetricsPublisher
 from vllm_selfspec.self_draft import SelfDrafter
-from vllm_selfspec.vllm_compat.draft_forward import (DraftForward, max_over_ranks, same_on_all_ranks,
-                                                     tensor_parallel_rank)
+from vllm_selfspec.vllm_compat.draft_forward import (
+    DraftForward,
+    max_over_ranks,
+    same_on_all_ranks,
+    tensor_parallel_rank,
+)
 from vllm_selfspec.vllm_compat.request_tenant import tenant_of
 from vllm_selfspec.vllm_compat.runner_state import StepRow, StepView
 
@@ -41,9 +46,10 @@ DRAIN_AFTER_STEPS = 4
 
 @dataclass(frozen=True)
 class PreparedStep:
-    """What a step's rank-local part found: per drafting row its budget, lookup draft (with
-    source) and offer, and this rank's plan."""
+    """What a step's rank-local part found: the step, per drafting row its budget, lookup draft
+    (with source) and offer, and this rank's plan."""
 
+    step: StepView
     budgets: list[int]
     found: list[tuple[DraftSource, LookupDraft]]
     offers: list[RowOffer]
@@ -82,9 +88,11 @@ class SelfAdmgProposer:
         self._drafted: dict[str, DraftMade] = {}
         self._step_end: float | None = None
         self._look_up = True  # the ranks' agreed decision, for the next step
+        self._steps_run = 0  # steps the runner began (note_step)
+        self._proposed_at = -1  # the step of the last call for drafts
         self._steps_since_admission = 0
         self.fail_safe = FailSafe(max_over_ranks=max_over_ranks)
-        MetricsPublisher.from_environment(rank=tensor_parallel_rank()).start(lambda: metrics_snapshot(self))
+        MetricsPublisher.from_environment(rank=tensor_parallel_rank()).start(self, metrics_snapshot)
         if self.options.lookup:
             self.fail_safe.attempt(warm_up_lookup)
 
@@ -109,23 +117,30 @@ class SelfAdmgProposer:
         try:
             if self.fail_safe.disabled:
                 return self._no_drafts(rows)
-            step = StepView(runner, scheduler_output, sampled_token_ids)
-            prepared = self.fail_safe.attempt(lambda: self._prepare(step))
-            may_draft, (look_up,) = self.fail_safe.agree(prepared is not None, (int(self._wants_lookup(step)),))
+            prepared = self.fail_safe.attempt(
+                lambda: self._prepare(StepView(runner, scheduler_output, sampled_token_ids)))
+            may_draft, (look_up,) = self.fail_safe.agree(prepared is not None, (int(self._wants_lookup(prepared)),))
             self._look_up = bool(look_up)
             if not may_draft:
                 return self._no_drafts(rows)
-            return self.fail_safe.call(lambda: self._draft(step, prepared, common_attn_metadata),
+            return self.fail_safe.call(lambda: self._draft(prepared, common_attn_metadata),
                                        lambda: self._no_drafts(rows))
         finally:
+            self._proposed_at = self._steps_run
             self.counters.propose_calls += 1
             self.counters.propose_seconds += time.perf_counter() - start
 
-    def _wants_lookup(self, step: StepView) -> bool:
+    def note_step(self) -> None:
+        """The runner began a step (whether or not vLLM asks this proposer for drafts in it)."""
+        self._steps_run += 1
+
+    def _wants_lookup(self, prepared: PreparedStep | None) -> bool:
         """This rank's vote on looking up next step (the ranks look up if any wants to): it is
         paid on every row before any plan, so the controller weighs it against what it saved."""
+        if not self.options.lookup or not self.options.adaptive:
+            return True
         try:
-            return not self.options.lookup or not self.options.adaptive or self.controller.look_up_next(len(step.rows))
+            return self.controller.look_up_next(len(prepared.offers) if prepared is not None else 0)
         except Exception as err:  # a vote is no reason to skip the agreement
             self.fail_safe.record(err)
             return True
@@ -145,11 +160,13 @@ class SelfAdmgProposer:
         offers = [RowOffer(row.req_id, len(draft), source, budget > 0, row.sampled, draft.probs, draft.match,
                            row.tokens_left, has_mask=row.req_id in self.self_drafter.masks)
                   for row, budget, (source, draft) in zip(rows, budgets, found)]
-        return PreparedStep(budgets, found, offers, self._plan(offers, max(budgets, default=0)))
+        return PreparedStep(step, budgets, found, offers,
+                            self._plan(offers, max(budgets, default=0), step.waiting_requests))
 
-    def _draft(self, step: StepView, prepared: PreparedStep, common_attn_metadata) -> list[list[int]]:
+    def _draft(self, prepared: PreparedStep, common_attn_metadata) -> list[list[int]]:
         """The part every rank runs alike: the shared plan, lookup drafts and self-drafts."""
-        rows, budgets, found, offers = step.rows, prepared.budgets, prepared.found, prepared.offers
+        step, budgets, found, offers = prepared.step, prepared.budgets, prepared.found, prepared.offers
+        rows = step.rows
         plan = self._shared(prepared.plan, len(offers))
         forward = DraftForward(step.runner, self.vllm_config, common_attn_metadata)
         if not self.self_drafter.warmed_up and any(budgets):
@@ -163,7 +180,10 @@ class SelfAdmgProposer:
                 self._drafted[row.req_id] = DraftMade(source, length, self.controller.calibration(offer, length),
                                                       expectation.planned, expectation.estimated)
                 self.counters.lookup_tokens += length
-                self.counters.history_tokens += length if source == DraftSource.HISTORY else 0
+                if source == DraftSource.HISTORY:
+                    self.counters.history_tokens += length
+                else:
+                    self.counters.context_tokens += length
         self_rows = [(row, budget) for row, budget, chosen in zip(rows, budgets, plan.self_rows) if chosen]
         if plan.self_length and self_rows:
             self._self_draft(step, forward, self_rows, plan.self_length, drafts)
@@ -177,8 +197,14 @@ class SelfAdmgProposer:
         open-loop arrivals precedes most prompts and would be charged to their tokens."""
         now = time.perf_counter()
         self._steps_since_admission = 0 if step.admitted_requests else self._steps_since_admission + 1
+        # vLLM skips the proposer in some steps (a request within K tokens of max_model_len):
+        # then neither the time since the last call nor this step's tokens say what the last
+        # call's drafts did.
+        follows_last_call = self._proposed_at == self._steps_run - 1
+        if not follows_last_call:
+            self._drafted = {}
         shape = step.shape()
-        if self._step_end is not None and shape is not None and step.engine_was_busy:
+        if self._step_end is not None and shape is not None and step.engine_was_busy and follows_last_call:
             seconds = now - self._step_end
             self.controller.observe_step(shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, seconds,
                                          shape.draft_tokens)
@@ -188,12 +214,13 @@ class SelfAdmgProposer:
         self._step_end = None
         for row in step.rows:
             made = self._drafted.get(row.req_id)
-            if made:
-                accepted = step.accepted(row.index)
-                self.controller.observe_draft(row.req_id, made.source, made.length, accepted, made.bins, made.estimated)
+            verified = min(made.length, step.verified_draft_tokens(row.req_id)) if made else 0
+            if verified:  # (the scheduler may have cut a draft short)
+                accepted = min(step.accepted(row.index), verified)
+                self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.bins, made.estimated)
                 if made.source != DraftSource.SELF:
-                    self.controller.observe_lookup_accepted(min(accepted, made.length))
-                    self.counters.lookup_accepted += min(accepted, made.length)
+                    self.controller.observe_lookup_accepted(accepted)
+                    self.counters.lookup_accepted += accepted
                     self.counters.lookup_expected += made.expected
                     self.counters.lookup_estimated += made.estimated
         self._drafted = {}
@@ -221,19 +248,18 @@ class SelfAdmgProposer:
             self.controller.observe_lookup(looked_up, time.perf_counter() - start)
         return found
 
-    def _plan(self, offers: list[RowOffer], self_budget: int) -> DraftPlan:
-        """How much of each kind of draft pays this step (everything offered, if not adaptive)."""
+    def _plan(self, offers: list[RowOffer], self_budget: int, waiting: int) -> DraftPlan:
+        """How much of each kind of draft pays this step (everything offered, if not adaptive),
+        given the requests `waiting` for admission."""
         fault_point("plan")
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
         draining = self.closed_batches and self._steps_since_admission > DRAIN_AFTER_STEPS
-        return self.controller.plan(offers, self_budget, draining)
+        return self.controller.plan(offers, self_budget, draining, waiting)
 
     def _shared(self, plan: DraftPlan, rows: int) -> DraftPlan:
-        """Rank 0's plan on every rank: each rank plans from its own step timings. (Without the
-        controller, the plan follows from the offers alone, which every rank has alike.)"""
-        if not self.options.adaptive:
-            return plan
+        """Rank 0's plan on every rank: each rank plans from its own step timings (and, should a
+        rank's history ever differ, from its own offers)."""
         return DraftPlan.from_ints(same_on_all_ranks(torch.tensor(plan.as_ints(), device=self._device)).tolist(), rows)
 
     def _self_draft(self, step: StepView, forward: DraftForward, rows: list[tuple[StepRow, int]],

@@ -26,6 +26,7 @@ class ProposerCounters:
     propose_seconds: float = 0.0  # its own time in them, probes and self-drafts included
     lookup_tokens: int = 0  # from lookup, own context or history
     history_tokens: int = 0  # of which from earlier requests' outputs
+    context_tokens: int = 0  # and from the request's own context
     # Of the lookup tokens verified, those accepted and those the planner expected to be: a
     # planner that expects too many takes drafts that do not pay.
     lookup_accepted: int = 0
@@ -82,7 +83,7 @@ def metrics_snapshot(drafter) -> dict:
         "drafting_disabled": int(fail_safe.disabled),
         "steps_skipped_for_faults": fail_safe.steps_skipped,
         "draft_tokens": {"self": counters.draft_tokens,
-                         "context": counters.lookup_tokens - counters.history_tokens,
+                         "context": counters.context_tokens,
                          "history": counters.history_tokens},
         "lookup_tokens_accepted": counters.lookup_accepted,
         "probes": counters.prompts_measured,

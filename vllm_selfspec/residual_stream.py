@@ -62,7 +62,7 @@ class ResidualStream:
             return None
         return weight[:vocab]
 
-    def draft_logits(self, h: torch.Tensor, head_ids: "HeadIds | None") -> torch.Tensor:
+    def draft_logits(self, h: torch.Tensor, head_ids: HeadIds | None) -> torch.Tensor:
         """Logits of the draft: over `head_ids` only when given (columns follow its order)."""
         if head_ids is None:
             return self.logits(h)

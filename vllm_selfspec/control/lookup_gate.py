@@ -7,7 +7,8 @@ lookups find is rarely accepted (contexts that never repeat, a batch of hostile 
 nothing. The gate weighs the seconds lookups took against the seconds their accepted tokens
 saved (each accepted token saves a row its share of a step), over the last steps looked up; if
 lookups cost more, it stops looking up and tries again after a back-off, as the planner retries
-self-drafts.
+self-drafts, measuring afresh each time. One gate serves the whole batch: its decision is shared
+by the tensor-parallel ranks.
 """
 
 from __future__ import annotations
@@ -46,11 +47,17 @@ class LookupGate:
 
     def open(self, seconds_per_token: float | None) -> bool:
         """Whether to look up next step: while lookups pay, and once per back-off when not."""
+        if seconds_per_token is None or self.samples < MIN_ROW_LOOKUPS:
+            return True  # still measuring (the back-off stands)
         if self.pays(seconds_per_token):
             self.steps_closed, self.retry_after = 0, FIRST_RETRY_AFTER
             return True
         self.steps_closed += 1
         if self.steps_closed < self.retry_after:
             return False
+        # A retry measures afresh (at least MIN_ROW_LOOKUPS of them) rather than against what
+        # made the gate close, which may since have left the batch.
         self.steps_closed, self.retry_after = 0, min(2 * self.retry_after, LAST_RETRY_AFTER)
+        self.row_lookups = self.seconds = self.accepted = 0.0
+        self.samples = 0
         return True

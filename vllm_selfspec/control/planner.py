@@ -13,8 +13,14 @@ plan that only breaks even by the estimates buys no tokens per second but makes 
 longer, and in a server a longer step delays the first token of each prompt that arrives
 during it and of each prompt it prefills. Past capacity, with dozens of rows, lookup drafts
 are break-even at best: drafting them left the time per token level and made first tokens
-later (benchmarks/NOTES.md, "past capacity, break-even drafts cost first tokens"). At light load a draft token beats the rate many times
-over, and the margin changes little.
+later (benchmarks/NOTES.md, "past capacity, break-even drafts cost first tokens"). At light
+load a draft token beats the rate many times over, and the margin changes little.
+
+Requests waiting. At capacity prompts queue for admission, and every second a draft adds to the
+step delays each queued request's first token by as much. A queued request would yield a token
+per plain step once admitted, so a second of delay costs the queue W / (plain step) tokens: a
+draft token must beat the rate by the margin plus that (`queue_rate`). With no queue (light
+load) nothing changes.
 
 Draining batches. The steady plan values a row's accepted token as the step time it frees for
 someone else. When no request has been admitted for a while (an offline batch finishing), a
@@ -109,12 +115,12 @@ class Choice:
     def rate(self) -> float:
         return self.tokens / self.seconds
 
-    def beats(self, plain: Choice) -> bool:
+    def beats(self, plain: Choice, queue_rate: float = 0.0) -> bool:
         """Whether the tokens this plan adds to plain decoding's come faster than plain
-        decoding's own, by the margin."""
+        decoding's own, by the margin, and than the queue's first tokens it delays."""
         added_seconds = self.seconds - plain.seconds
         return self.tokens > plain.tokens and (added_seconds <= 0 or (self.tokens - plain.tokens) / added_seconds
-                                               > (1 + DRAFT_MARGIN) * plain.rate)
+                                               > (1 + DRAFT_MARGIN) * plain.rate + queue_rate)
 
 
 @dataclass
@@ -124,9 +130,10 @@ class DraftPlanner:
     retry_after: int = FIRST_RETRY_AFTER
     _idle_steps: int = 0
 
-    def plan(self, offers: list[RowOffer], self_budget: int, draining: bool = False) -> DraftPlan:
+    def plan(self, offers: list[RowOffer], self_budget: int, draining: bool = False, waiting: int = 0) -> DraftPlan:
         """Draft lengths for one step over these rows (every row that sampled a token);
-        `draining`: no request admitted lately, so only the batch's end counts."""
+        `draining`: no request admitted lately, so only the batch's end counts; `waiting`:
+        requests queued for admission, whose first tokens every added second delays."""
         if not self.costs.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup_tokens for o in offers], 0, False, [False] * len(offers))
         step = self.costs.target()
@@ -144,7 +151,7 @@ class DraftPlanner:
             self_step = self.costs.self_step_seconds(len(self_rows))
             choice.best_self_saving = (step.t0 - self_step - step.t_verify) * max(o.tokens_left for o in offers)
         else:
-            choice = self._steady(offers, gains, cost, step.t0, step.t_verify, self_rows, self_budget)
+            choice = self._steady(offers, gains, cost, step.t0, step.t_verify, self_rows, self_budget, waiting)
         explored = False
         if self_rows and choice.self_length == 0 and self_budget:
             explored = self._maybe_retry(offers, self_rows, choice, self_budget)
@@ -153,26 +160,29 @@ class DraftPlanner:
         return DraftPlan(choice.lookup_lengths, choice.self_length, explored,
                          [i in choice.self_rows for i in range(len(offers))])
 
-    def _steady(self, offers, gains, cost, t0, t_verify, self_rows, self_budget) -> Choice:
+    def _steady(self, offers, gains, cost, t0, t_verify, self_rows, self_budget, waiting=0) -> Choice:
         """The plan with the most tokens per second: lookup only, or self-drafts for
         `self_rows` with lookup for the rest (so a row that self-drafting does not pay for keeps
-        its lookup draft)."""
+        its lookup draft). Each request waiting for admission would have had a token per plain
+        step once admitted: a second added to the step costs it 1 / (plain step) tokens."""
         plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=t0 + sum(cost))
+        queue_rate = waiting / plain.seconds
         self_token_cost = self._self_token_cost(cost, self_rows)
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
-        best = self._greedy(offers, gains, cost, verifying)
+        best = self._greedy(offers, gains, cost, verifying, queue_rate=queue_rate)
         if self_rows and self.costs.self_step_measured and self_budget:
-            with_self = self._greedy(offers, gains, cost, verifying, self_rows, self_budget, self_token_cost)
+            with_self = self._greedy(offers, gains, cost, verifying, self_rows, self_budget, self_token_cost,
+                                     queue_rate)
             unpaid = self._unpaid_probes(offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
             if unpaid:  # plan again without them (they may still take their lookup drafts)
                 kept = [i for i in self_rows if i not in unpaid]
                 with_self = self._greedy(offers, gains, cost, verifying, kept, self_budget,
-                                         self._self_token_cost(cost, kept)) if kept else best
+                                         self._self_token_cost(cost, kept), queue_rate) if kept else best
             if with_self.self_length and with_self.rate > best.rate:
                 best = with_self
-        if not best.beats(plain):
+        if not best.beats(plain, queue_rate):
             best = plain
         # The retries' best case stays over every row that would rather self-draft: a retry
         # prices its own probe (_retry_pays).
@@ -222,9 +232,10 @@ class DraftPlanner:
         probe = 0.0 if offers[next(iter(retry_rows))].has_mask else self.costs.probe_seconds or 0.0
         return best_saving > self.costs.self_step_seconds(len(retry_rows)) + probe
 
-    def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0) -> Choice:
+    def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0,
+                queue_rate=0.0) -> Choice:
         """Add draft tokens, best gain per second first, while each beats the step's rate so far
-        by the margin."""
+        by the margin, plus what a second of delay costs the requests queued (`queue_rate`)."""
         tokens, seconds = start
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
         # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
@@ -235,7 +246,7 @@ class DraftPlanner:
         if self_rows and self_budget:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
         heapq.heapify(candidates)
-        while candidates and -candidates[0][0] > (1 + DRAFT_MARGIN) * tokens / seconds:
+        while candidates and -candidates[0][0] > (1 + DRAFT_MARGIN) * tokens / seconds + queue_rate:
             _, kind, i, depth = heapq.heappop(candidates)
             if kind == "lookup":
                 choice.lookup_lengths[i] = depth

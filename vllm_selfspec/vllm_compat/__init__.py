@@ -4,6 +4,7 @@ Patches (each applied once through `patching.patch`, which records it):
 - front_door: the `self-admg` spellings (--speculative-config, --spec-method, the legacy
   --speculative-model/--num-speculative-tokens, LLM(speculative_config=...)) and option checks.
 - scheduler_lookahead: the scheduler reserves K KV slots past the verified range for draft KV.
+- scheduler_queue: each step tells the workers how many requests wait for admission.
 - request_tenant: each request's cache_salt reaches the worker (lookup history per tenant).
 - sampling_params: min_p and logit_bias are served (rows using them get no drafts).
 - runner_hook: the model runner hands our proposer what it needs, drops a request's state with
@@ -40,21 +41,30 @@ def unsupported_message(version: str) -> str:
             "vllm-selfspec release written for this vLLM")
 
 
-def apply_patches() -> None:
+def apply_patches() -> bool:
     """Every patch but the runner hook, which the proposer installs in the workers. On a vLLM
     version they were not written for, none is applied (plain vLLM runs as if the plugin were
-    absent, its CPU bugs included) and only a request for self-admg is refused."""
-    from vllm_selfspec.vllm_compat import (cpu_fixes, front_door, request_tenant, sampling_params,
-                                           scheduler_lookahead)
+    absent, its CPU bugs included) and only a request for self-admg is refused. Whether every
+    patch was applied."""
+    from vllm_selfspec.vllm_compat import (
+        cpu_fixes,
+        front_door,
+        request_tenant,
+        sampling_params,
+        scheduler_lookahead,
+        scheduler_queue,
+    )
 
     version = installed_vllm_version()
     if not is_supported_vllm(version):
         logger.warning("vllm-selfspec is written for vLLM %s, not %s: its patches and CPU bug fixes are "
                        "not applied, and the self-admg method is refused", SUPPORTED_VLLM_VERSION, version)
         front_door.refuse_self_admg(unsupported_message(version))
-        return
+        return False
     front_door.apply()
     scheduler_lookahead.apply()
+    scheduler_queue.apply()
     request_tenant.apply()
     sampling_params.apply()
     cpu_fixes.apply()
+    return True

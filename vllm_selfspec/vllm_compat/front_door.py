@@ -101,21 +101,36 @@ def unsupported_reasons(engine_args, model_config, parallel_config) -> list[str]
 
 
 def refusals_of(vllm_config) -> list[str]:
-    """What `unsupported_reasons` says of an engine's built config, and a vLLM version other
-    than the one this package is written for: the proposer checks again when the engine
-    builds it, so that no spelling of the method and no failed start-up bypasses the checks."""
+    """Why this engine may not run the proposer: a vLLM version other than the one this package
+    is written for, patches not in place in this process, a config that did not come through the
+    front door (its KV lookahead and options), or what `unsupported_reasons` says of it. The
+    proposer checks when the engine builds it, so that no spelling of the method and no failed
+    start-up gets around the front door's checks."""
     from types import SimpleNamespace
 
+    from vllm_selfspec import plugin
     from vllm_selfspec.vllm_compat import installed_vllm_version, is_supported_vllm, unsupported_message
+    from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
 
     version = installed_vllm_version()
     if not is_supported_vllm(version):
         return [unsupported_message(version)]
+    reasons = []
+    if not plugin.patched:
+        reasons.append("needs vllm-selfspec's patches of vLLM, which are not in place in this process (see "
+                       "the warning at start-up)")
+    spec = vllm_config.speculative_config
+    if not is_self_admg_config(spec) or vllm_config.num_lookahead_tokens < spec.num_speculative_tokens:
+        reasons.append(f"runs only as its front door configures it (method 'self-admg', whose KV lookahead "
+                       f"the scheduler reserves), not as method {getattr(spec, 'method', None)!r} with model "
+                       f"{getattr(spec, 'model', None)!r}")
+    if ADDITIONAL_CONFIG_KEY not in (vllm_config.additional_config or {}):
+        reasons.append("got no checked options: ask for method 'self-admg' rather than for its class")
     cache = vllm_config.cache_config
     settings = SimpleNamespace(enable_lora=vllm_config.lora_config is not None, kv_cache_dtype=cache.cache_dtype,
                                kv_transfer_config=vllm_config.kv_transfer_config,
                                kv_offloading_size=getattr(cache, "kv_offloading_size", None))
-    return unsupported_reasons(settings, vllm_config.model_config, vllm_config.parallel_config)
+    return reasons + unsupported_reasons(settings, vllm_config.model_config, vllm_config.parallel_config)
 
 
 def check_supported(engine_args, model_config, parallel_config) -> None:
@@ -200,7 +215,7 @@ def _with_choice(type_hint, value):
         choices = get_args(type_hint)
         return type_hint if value in choices else Literal[(*choices, value)]
     if origin in (Union, types.UnionType):
-        return Union[tuple(_with_choice(arg, value) for arg in get_args(type_hint))]
+        return Union[tuple(_with_choice(arg, value) for arg in get_args(type_hint))]  # noqa: UP007 (built at run time)
     return type_hint
 
 
@@ -265,9 +280,12 @@ def refuse_self_admg(message: str) -> None:
         return  # nothing to guard: vLLM's own check rejects the unknown method
 
     def create_speculative_config(self, *args, **kwargs):
-        spec = getattr(self, "speculative_config", None)
-        asked = is_self_admg(spec if isinstance(spec, dict) else None) or METHOD_NAME in (
-            getattr(self, "spec_method", None), getattr(self, "spec_model", None))
+        try:
+            asked = is_self_admg(merge_spec_flags(self))
+        except Exception:  # flags vLLM will reject anyway; the spelled names still count
+            spec = getattr(self, "speculative_config", None)
+            asked = is_self_admg(spec if isinstance(spec, dict) else None) or METHOD_NAME in (
+                getattr(self, "spec_method", None), getattr(self, "spec_model", None))
         if asked:
             raise SelfAdmgConfigError(message)
         return vllm_create(self, *args, **kwargs)

@@ -9,6 +9,7 @@ start-up that failed half-way.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ class Patch:
     original: Any
     replacement: Any
     why: str
+    stored: Any = None  # what the owner held, descriptors (classmethod, staticmethod) unresolved
 
     @property
     def target(self) -> str:
@@ -39,8 +41,9 @@ def patch(owner: Any, name: str, replacement: Any, why: str) -> bool:
     key = (id(owner), name)
     if key in _applied:
         return False
-    _applied[key] = Patch(owner, name, getattr(owner, name), replacement, why)
-    setattr(owner, name, replacement)
+    before, stored = getattr(owner, name), inspect.getattr_static(owner, name)
+    setattr(owner, name, replacement)  # first: a patch that could not be made is not recorded
+    _applied[key] = Patch(owner, name, before, replacement, why, stored)
     return True
 
 
@@ -57,7 +60,7 @@ def applied() -> list[Patch]:
 def roll_back() -> None:
     """Undo every recorded patch, newest first (a failed start-up must leave vLLM as it was)."""
     for key, applied_patch in reversed(list(_applied.items())):
-        setattr(applied_patch.owner, applied_patch.name, applied_patch.original)
+        setattr(applied_patch.owner, applied_patch.name, applied_patch.stored)
         del _applied[key]
     for hook in _after_roll_back:
         hook()

@@ -23,7 +23,8 @@ def apply() -> None:
 
     def from_request(cls, request, *args, **kwargs):
         data = original(NewRequestData, "from_request").__func__(cls, request, *args, **kwargs)
-        setattr(data, ATTRIBUTE, getattr(request, "cache_salt", None))
+        if hasattr(request, "cache_salt"):  # else the tenant stays unknown: no history at all
+            setattr(data, ATTRIBUTE, request.cache_salt)
         return data
 
     patch(NewRequestData, "from_request", classmethod(from_request),

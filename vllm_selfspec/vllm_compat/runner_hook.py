@@ -6,7 +6,8 @@ a `SelfAdmgProposer` pass through unchanged.
    the runner (block tables, attention builders, live requests), the scheduler output and this
    step's attention metadata.
 2. `_update_states`: each request's tenant is attached to the runner's state of it in the step
-   that admits it, whether or not the proposer runs in that step (`request_tenant`).
+   that admits it, whether or not the proposer runs in that step (`request_tenant`), and the
+   proposer counts the step, so that it knows when vLLM ran one without asking it for drafts.
 3. `_on_request_state_removed`: a request's per-request state (mask, rates) is dropped in the
    same step as vLLM's own (finished, aborted or disconnected).
 4. `_sample`: a step that verifies no draft at all (every row got none: the controller's usual
@@ -51,6 +52,7 @@ def install() -> None:
         result = original(Runner, "_update_states")(self, scheduler_output, *args, **kwargs)
         if _ours(self):
             remember_tenants(self, scheduler_output)
+            self.drafter.note_step()
         return result
 
     def _on_request_state_removed(self, req_id, req_state):

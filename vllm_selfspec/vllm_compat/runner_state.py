@@ -50,6 +50,13 @@ class StepView:
         return bool(out.scheduled_new_reqs or out.scheduled_cached_reqs.resumed_req_ids)
 
     @property
+    def waiting_requests(self) -> int:
+        """Requests the scheduler left waiting for admission this step (`scheduler_queue`)."""
+        from vllm_selfspec.vllm_compat.scheduler_queue import waiting_requests
+
+        return waiting_requests(self.scheduler_output)
+
+    @property
     def engine_was_busy(self) -> bool:
         """Whether a request ran on from an earlier step. If none did, the engine may have
         waited for requests before this step (a server between arrivals), and a wait is no part
@@ -75,6 +82,11 @@ class StepView:
                 rows.append(StepRow(i, self.req_ids[i], _tokens_left(request), _samples(request.sampling_params),
                                     not needs_plain_sampling(request.sampling_params)))
         return rows
+
+    def verified_draft_tokens(self, req_id: str) -> int:
+        """Draft tokens this step verified for the request (the scheduler pads a draft it cut
+        short with -1)."""
+        return sum(token >= 0 for token in self.scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
 
     def accepted(self, row: int) -> int:
         """Draft tokens accepted in this row this step (the rest of its tokens is the bonus)."""
