@@ -117,15 +117,16 @@ def write(rows: list[dict], out: Path, args) -> None:
         writer.writerows(rows)
     lines = [f"Ordinary request ({args.ordinary_output} tokens) beside a prompt of {args.hostile_tokens} "
              f"repeated tokens ({args.hostile_output} tokens out); {args.model}, {args.dtype}; "
-             "ms per output token; self-admg over plain of the same round, plain over plain's mean.", "",
-             "| round | plain | self-admg | ratio | plain / plain's mean | hostile: plain | hostile: self-admg |",
+             "ms per output token; speed-up: plain's time per token over self-admg's in the same round; "
+             "plain's spread: its time over its mean across rounds.", "",
+             "| round | plain | self-admg | speed-up | plain's spread | hostile: plain | hostile: self-admg |",
              "|---|---|---|---|---|---|---|"]
     by = {(r["round"], r["server"]): r for r in rows}
     plain_mean = statistics.mean(r["ordinary_tpot_ms"] for r in rows if r["server"] == "plain")
     for round_ in range(args.rounds):
         p, s = by[(round_, "plain")], by[(round_, "self-admg")]
         lines.append(f"| {round_} | {p['ordinary_tpot_ms']:.1f} | {s['ordinary_tpot_ms']:.1f} | "
-                     f"{s['ordinary_tpot_ms'] / p['ordinary_tpot_ms']:.2f}x | "
+                     f"{p['ordinary_tpot_ms'] / s['ordinary_tpot_ms']:.2f}x | "
                      f"{p['ordinary_tpot_ms'] / plain_mean:.2f} | {p['hostile_tpot_ms']:.1f} | "
                      f"{s['hostile_tpot_ms']:.1f} |")
     table = "\n".join(lines)

@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.serving                  # quick: SmolLM2-135M
     .venv/bin/python -m benchmarks.serving --mode full      # Qwen2.5-Coder-1.5B, draft_model = its 0.5B sibling
     .venv/bin/python -m benchmarks.serving --methods plain self-admg --worker-cores all default
+    .venv/bin/python -m benchmarks.serving --decide --prompts-file mine.jsonl --output-spread 0   # for my workload?
 
 Every server is started with the same flags (only `--speculative-config` differs), one at a time,
 its CPU worker computing on every core (`--worker-cores default` adds vLLM's own binding). The
@@ -24,7 +25,8 @@ Writes to --out (default: a dated folder in the cache, outside the repository: b
 raw/ (the JSON `vllm bench serve` saved, one file per run), workloads/ (the JSONL it was fed), the
 servers' logs, table.md and results.csv (each ratio against the plain server of the same round),
 throughput.png and tpot.png (one panel per workload, one line per method), and environment.json
-(CPU, instruction set, dtype, versions).
+(CPU, instruction set, dtype, versions). table.md ends with a verdict per cell: faster or slower
+only where every round lies beyond plain's own spread there, else level.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from benchmarks.output import default_out
 from benchmarks.serve_load import VLLM, VllmServer, server_flags
 
 WARMUP_REQUESTS = 8
-WORKLOADS = ("code", "summarization", "chat", "multiturn")
+# "own": the user's prompts (--prompts-file), to decide for their own workload (--decide).
+WORKLOADS = ("code", "summarization", "chat", "multiturn", "own")
 MODES = {  # model, draft model for draft_model, prompts per load point, output tokens per request
     "quick": ("smollm2-135m", None, 12, 64),
     "full": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 12, 128),
@@ -189,11 +192,17 @@ def chat_text(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def first_prompts(workload: str, tokenizer) -> list[str]:
+def first_prompts(workload: str, tokenizer, prompts_file: Path | None = None) -> list[str]:
     """The prompts of a workload in fixed order (for multi-turn: the first turns). Code is sent
-    as a raw completion prompt, the others through the model's chat template."""
+    as a raw completion prompt, the others through the model's chat template; the user's own
+    (`prompts_file`, JSON lines) as each line's "prompt", or its "messages" through the template."""
     from benchmarks import assets
 
+    if workload == "own":
+        if prompts_file is None:
+            raise SystemExit("the 'own' workload needs --prompts-file FILE.jsonl")
+        lines = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
+        return [line["prompt"] if "prompt" in line else chat_text(tokenizer, line["messages"]) for line in lines]
     if workload == "code":
         return assets.load_prompts("humaneval")
     # (The news corpus repeats a few articles: a repeat would be drafted from its first answer.)
@@ -385,7 +394,7 @@ def spent(before: dict | None, after: dict | None) -> dict | None:
 def load_slices(server: VllmServer, workload: str, plan: Plan, args, tokenizer) -> list[list[str]]:
     """The prompts of each load point. Multi-turn: the first turns are sent now, unmeasured, and
     the second turns carry the first server's answers, so every server measures the same prompts."""
-    prompts = first_prompts(workload, tokenizer)
+    prompts = first_prompts(workload, tokenizer, args.prompts_file)
     prompt_slices = slices(prompts, point_sizes(args, len(prompts)), workload)
     if workload != "multiturn":
         return prompt_slices
@@ -561,6 +570,41 @@ def summarize(runs: list[Run]) -> list[dict]:
     return rows
 
 
+def _range(text: str) -> tuple[float, float] | None:
+    """A ratio range as the table writes it ("0.97-1.02", "1.01" or "") as (low, high)."""
+    if not text:
+        return None
+    low, _, high = text.partition("-")
+    return float(low), float(high or low)
+
+
+VERDICT_METRICS = (("throughput_x", "throughput", True), ("mean_tpot_x", "mean TPOT", True),
+                   ("p99_ttft_x", "p99 first token", False))  # (column, name, above 1 is faster)
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """Per workload, load point and method, each metric's rounds against plain's own spread
+    there (plain runs against each other): faster or slower only when every round lies beyond
+    it, else level. With one plain run a round there is no spread: the verdict says so."""
+    plain = {(r["workload"], r["load"]): r for r in rows if r["server"] == "plain"}
+    lines = []
+    for row in rows:
+        if row["server"] == "plain" or (row["workload"], row["load"]) not in plain:
+            continue
+        noise_row, parts = plain[(row["workload"], row["load"])], []
+        for column, name, above_is_faster in VERDICT_METRICS:
+            mine, noise = _range(row.get(column, "")), _range(noise_row.get(column, ""))
+            if mine is None:
+                continue
+            noise = noise or (1.0, 1.0)
+            low, high = (mine if above_is_faster else (1 / mine[1], 1 / mine[0]))
+            floor, ceiling = (noise if above_is_faster else (1 / noise[1], 1 / noise[0]))
+            word = "faster" if low > max(ceiling, 1.0) else "slower" if high < min(floor, 1.0) else "level"
+            parts.append(f"{name} {row[column]} ({word}; plain {noise_row.get(column) or 'ran once'})")
+        lines.append(f"- {row['workload']} at {row['load']}, {row['server']}: " + "; ".join(parts))
+    return lines
+
+
 def unlimited_sizes(runs: list[Run]) -> str:
     """The unlimited-rate run's prompts per workload, as `vllm bench serve` reported them."""
     sizes = {r.workload: r.metric("num_prompts") for r in runs
@@ -646,7 +690,14 @@ def parse_args(argv=None):
     parser.add_argument("--methods", nargs="+", default=["ngram", "suffix", "draft_model", "self-admg-paper",
                                                           "self-admg"],
                         help="besides plain, which always runs first (draft_model only in full mode)")
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS[:-1]))
+    parser.add_argument("--prompts-file", type=Path,
+                        help="your own prompts, one JSON object a line with \"prompt\" (sent as is) or \"messages\" "
+                             "(through the chat template): the 'own' workload, the only one unless --workloads says")
+    parser.add_argument("--decide", action="store_true",
+                        help="should I use self-admg? plain against self-admg only, in alternating rounds (3 unless "
+                             "--rounds says), at light load and past capacity (unless --load says), with a verdict "
+                             "per cell against plain's own noise")
     parser.add_argument("--load", nargs="*", type=float, default=[0.1, 0.3, 0.6, 1.5],
                         help="request rates as fractions of the plain server's capacity C (none: the "
                              "unlimited-rate run only)")
@@ -674,7 +725,15 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, help="default: serving-<mode>-<date> in the cache")
     parser.add_argument("--summarize", type=Path, metavar="FOLDER",
                         help="start no server: write FOLDER's table, CSV and plots again from what it saved")
+    explicit = {a.dest for a in parser._actions if any(o in (argv if argv is not None else sys.argv[1:])
+                                                          for o in a.option_strings)}
     args = parser.parse_args(argv)
+    if args.prompts_file and "workloads" not in explicit:
+        args.workloads = ["own"]
+    if args.decide:
+        args.methods = ["self-admg"]
+        args.rounds = args.rounds if "rounds" in explicit else 3
+        args.load = args.load if "load" in explicit else [0.1, 1.5]
     if not 0 <= args.output_spread < 1:
         parser.error(f"--output-spread must be at least 0 and below 1, not {args.output_spread:g}")
     model, draft, per_point, tokens = MODES[args.mode]
@@ -717,7 +776,7 @@ def main(argv=None) -> Path:
     print(f"dtype {args.dtype_reason}; results in {out}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     for workload in args.workloads:  # before hours of serving, not after
-        prompts = first_prompts(workload, tokenizer)
+        prompts = first_prompts(workload, tokenizer, args.prompts_file)
         slices(prompts, point_sizes(args, len(prompts)), workload)
     plan, runs, specs = Plan(), [], servers(args)
     command = "python -m benchmarks.serving " + " ".join(sys.argv[1:])
@@ -771,7 +830,8 @@ def write_summary(runs: list[Run], args, out: Path, command: str, started: str |
               f"follows the arrival rate (the last request is sent at prompts / rate): there TPOT and TTFT tell "
               f"methods apart.\n"
               f"Command: `{command}`\n\n")
-    (out / "table.md").write_text(header + markdown_table(rows) + "\n")
+    verdict = "\n\nVerdicts (every round beyond plain's own spread, or level):\n" + "\n".join(verdicts(rows))
+    (out / "table.md").write_text(header + markdown_table(rows) + verdict + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
