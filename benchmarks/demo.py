@@ -21,9 +21,11 @@ from pathlib import Path
 
 from benchmarks.engine import bind_worker_cores, choose_dtype, engine
 
-WHY = ("Where the speed comes from: drafts looked up in the prompt and earlier outputs, or made by the "
-       "model with sublayers skipped; the full model verifies several per pass and keeps only what it "
-       "would have written itself.")
+WHY = (
+    "Where the speed comes from: drafts looked up in the prompt and earlier outputs, or made by the "
+    "model with sublayers skipped; the full model verifies several per pass and keeps only what it "
+    "would have written itself."
+)
 
 
 def run(model: str, prompts: list[str], args, speculative_config=None) -> dict:
@@ -32,9 +34,15 @@ def run(model: str, prompts: list[str], args, speculative_config=None) -> dict:
     from vllm_selfspec.report import spec_decode_counters
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    with engine(model, dtype=args.dtype, max_model_len=2048, max_num_seqs=1,
-                kv_cache_memory_bytes=512 << 20, disable_log_stats=False,
-                speculative_config=speculative_config) as llm:
+    with engine(
+        model,
+        dtype=args.dtype,
+        max_model_len=2048,
+        max_num_seqs=1,
+        kv_cache_memory_bytes=512 << 20,
+        disable_log_stats=False,
+        speculative_config=speculative_config,
+    ) as llm:
         llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -75,14 +83,18 @@ def main(argv=None) -> None:
     from benchmarks import assets
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="a model directory, or the name of a model benchmarks.assets fetches")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="a model directory, or the name of a model benchmarks.assets fetches"
+    )
     parser.add_argument("--prompts", type=int, default=4, help="number of HumanEval prompts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
-    parser.add_argument("--speculative-config", type=json.loads,
-                        default={"method": "self-admg", "num_speculative_tokens": 4},
-                        help="JSON, as for `vllm serve --speculative-config`")
+    parser.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default={"method": "self-admg", "num_speculative_tokens": 4},
+        help="JSON, as for `vllm serve --speculative-config`",
+    )
     parser.add_argument("--verbose", action="store_true", help="show vLLM's own output instead of logging it")
     args = parser.parse_args(argv)
 
@@ -108,22 +120,24 @@ def main(argv=None) -> None:
     first = ours["outputs"][0].outputs[0]
     print("\n=== self-admg output for HumanEval/0 ===")
     print(prompts[0] + first.text)
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
-               for a, b in zip(plain["outputs"], ours["outputs"]))
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain["outputs"], ours["outputs"]))
     c = ours["counters"]
-    drafted, accepted, drafts = (c.get(k, 0)
-                                 for k in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
-    print(f"\n=== {args.model}, {args.dtype}, batch 1, {len(prompts)} prompts x up to "
-          f"{args.max_tokens} tokens ===")
+    drafted, accepted, drafts = (c.get(k, 0) for k in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
+    print(f"\n=== {args.model}, {args.dtype}, batch 1, {len(prompts)} prompts x up to {args.max_tokens} tokens ===")
     print(f"{'':24}{'tokens/s':>10}")
     print(f"{'plain decoding':24}{plain['tokens_per_s']:>10.1f}")
-    print(f"{'self-admg':24}{ours['tokens_per_s']:>10.1f}   "
-          f"({ours['tokens_per_s'] / plain['tokens_per_s']:.2f}x plain)")
+    print(
+        f"{'self-admg':24}{ours['tokens_per_s']:>10.1f}   ({ours['tokens_per_s'] / plain['tokens_per_s']:.2f}x plain)"
+    )
     if drafted:
-        print(f"acceptance rate {accepted / drafted:.1%} ({accepted:.0f} of {drafted:.0f} draft "
-              f"tokens), mean acceptance length {1 + accepted / max(drafts, 1):.2f}")
-    print(f"greedy outputs identical to plain decoding: {same} of {len(prompts)}"
-          + ("" if args.dtype == "float32" else " (bf16 may differ at near-ties; see docs/results.md)"))
+        print(
+            f"acceptance rate {accepted / drafted:.1%} ({accepted:.0f} of {drafted:.0f} draft "
+            f"tokens), mean acceptance length {1 + accepted / max(drafts, 1):.2f}"
+        )
+    print(
+        f"greedy outputs identical to plain decoding: {same} of {len(prompts)}"
+        + ("" if args.dtype == "float32" else " (bf16 may differ at near-ties; see docs/results.md)")
+    )
     print(WHY)
 
 

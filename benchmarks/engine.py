@@ -62,8 +62,11 @@ def native_dtype(flags: Iterable[str] | None = None, cuda: bool | None = None) -
     native = [flag for flag in NATIVE_BF16_FLAGS if flag in have]
     if native:
         return DtypeChoice("bfloat16", f"bfloat16: this CPU has native bf16 ({'/'.join(native)})")
-    return DtypeChoice("float32", f"float32: this CPU has no native bf16 (no {'/'.join(NATIVE_BF16_FLAGS)}); "
-                                  "bf16 would fall back to slow kernels")
+    return DtypeChoice(
+        "float32",
+        f"float32: this CPU has no native bf16 (no {'/'.join(NATIVE_BF16_FLAGS)}); "
+        "bf16 would fall back to slow kernels",
+    )
 
 
 def choose_dtype(given: str | None) -> DtypeChoice:
@@ -102,8 +105,11 @@ def choose_worker_cores(environ=os.environ) -> CoresChoice:
     if environ.get(CORES_ENV_VAR):
         return CoresChoice(environ[CORES_ENV_VAR], f"{CORES_ENV_VAR}={environ[CORES_ENV_VAR]} as set")
     binding = all_cores()
-    return CoresChoice(binding, f"{CORES_ENV_VAR}={binding}: the CPU worker computes on every core "
-                                f"(set {CORES_ENV_VAR}=auto for vLLM's default)")
+    return CoresChoice(
+        binding,
+        f"{CORES_ENV_VAR}={binding}: the CPU worker computes on every core "
+        f"(set {CORES_ENV_VAR}=auto for vLLM's default)",
+    )
 
 
 def bind_worker_cores(environ=os.environ) -> CoresChoice:
@@ -128,8 +134,11 @@ def engine_args(model: str | os.PathLike[str], **engine_kwargs) -> dict:
     """The arguments build_llm gives `vllm.LLM`: engine_kwargs as they are, the model resolved
     (see resolve_model), and a missing, None or "auto-native" dtype made native_dtype()'s."""
     dtype = engine_kwargs.get("dtype")
-    return {**engine_kwargs, "model": resolve_model(model),
-            "dtype": native_dtype().dtype if dtype in (None, NATIVE) else dtype}
+    return {
+        **engine_kwargs,
+        "model": resolve_model(model),
+        "dtype": native_dtype().dtype if dtype in (None, NATIVE) else dtype,
+    }
 
 
 def build_llm(model: str | os.PathLike[str], **engine_kwargs):

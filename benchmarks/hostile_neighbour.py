@@ -34,8 +34,14 @@ HOSTILE_TOKEN = 11  # any single token id; its repetition is what makes the look
 def streamed_tpot(server: VllmServer, prompt, max_tokens: int, started: threading.Event | None = None) -> float:
     """Seconds per output token after the first, of one streamed greedy completion."""
     stream = server.client(timeout=600).completions.create(
-        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=server.model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     first = last = None
     tokens = 0
     for chunk in stream:
@@ -52,8 +58,9 @@ def streamed_tpot(server: VllmServer, prompt, max_tokens: int, started: threadin
 def one_round(server: VllmServer, ordinary: str, args) -> dict[str, float]:
     hostile_prompt = [HOSTILE_TOKEN] * args.hostile_tokens
     started, result = threading.Event(), {}
-    hostile = threading.Thread(target=lambda: result.update(
-        hostile=streamed_tpot(server, hostile_prompt, args.hostile_output, started)))
+    hostile = threading.Thread(
+        target=lambda: result.update(hostile=streamed_tpot(server, hostile_prompt, args.hostile_output, started))
+    )
     hostile.start()
     started.wait(600)  # its prefill done: from now on it decodes beside the ordinary request
     result["ordinary"] = streamed_tpot(server, ordinary, args.ordinary_output)
@@ -88,9 +95,10 @@ def main(argv=None) -> Path:
     model = assets.model_or_path(args.model)
     ordinary = assets.load_prompts("humaneval")[0]
     common = server_flags(model, args.dtype, args.max_model_len, kv_cache_gb=2, seed=0)
-    servers = {"plain": VllmServer(model, *common, log_path=out / "plain.log"),
-               "self-admg": VllmServer(model, *common, "--speculative-model", "self-admg",
-                                       log_path=out / "self-admg.log")}
+    servers = {
+        "plain": VllmServer(model, *common, log_path=out / "plain.log"),
+        "self-admg": VllmServer(model, *common, "--speculative-model", "self-admg", log_path=out / "self-admg.log"),
+    }
     rows = []
     try:
         for server in servers.values():
@@ -99,8 +107,14 @@ def main(argv=None) -> Path:
         for round_ in range(args.rounds):
             for name, server in servers.items():
                 tpot = one_round(server, ordinary, args)
-                rows.append({"round": round_, "server": name, "ordinary_tpot_ms": 1e3 * tpot["ordinary"],
-                             "hostile_tpot_ms": 1e3 * tpot["hostile"]})
+                rows.append(
+                    {
+                        "round": round_,
+                        "server": name,
+                        "ordinary_tpot_ms": 1e3 * tpot["ordinary"],
+                        "hostile_tpot_ms": 1e3 * tpot["hostile"],
+                    }
+                )
                 print(rows[-1], flush=True)
     finally:
         for server in servers.values():
@@ -115,20 +129,25 @@ def write(rows: list[dict], out: Path, args) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    lines = [f"Ordinary request ({args.ordinary_output} tokens) beside a prompt of {args.hostile_tokens} "
-             f"repeated tokens ({args.hostile_output} tokens out); {args.model}, {args.dtype}; "
-             "ms per output token; speed-up: plain's time per token over self-admg's in the same round; "
-             "plain's spread: its time over its mean across rounds.", "",
-             "| round | plain | self-admg | speed-up | plain's spread | hostile: plain | hostile: self-admg |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Ordinary request ({args.ordinary_output} tokens) beside a prompt of {args.hostile_tokens} "
+        f"repeated tokens ({args.hostile_output} tokens out); {args.model}, {args.dtype}; "
+        "ms per output token; speed-up: plain's time per token over self-admg's in the same round; "
+        "plain's spread: its time over its mean across rounds.",
+        "",
+        "| round | plain | self-admg | speed-up | plain's spread | hostile: plain | hostile: self-admg |",
+        "|---|---|---|---|---|---|---|",
+    ]
     by = {(r["round"], r["server"]): r for r in rows}
     plain_mean = statistics.mean(r["ordinary_tpot_ms"] for r in rows if r["server"] == "plain")
     for round_ in range(args.rounds):
         p, s = by[(round_, "plain")], by[(round_, "self-admg")]
-        lines.append(f"| {round_} | {p['ordinary_tpot_ms']:.1f} | {s['ordinary_tpot_ms']:.1f} | "
-                     f"{p['ordinary_tpot_ms'] / s['ordinary_tpot_ms']:.2f}x | "
-                     f"{p['ordinary_tpot_ms'] / plain_mean:.2f} | {p['hostile_tpot_ms']:.1f} | "
-                     f"{s['hostile_tpot_ms']:.1f} |")
+        lines.append(
+            f"| {round_} | {p['ordinary_tpot_ms']:.1f} | {s['ordinary_tpot_ms']:.1f} | "
+            f"{p['ordinary_tpot_ms'] / s['ordinary_tpot_ms']:.2f}x | "
+            f"{p['ordinary_tpot_ms'] / plain_mean:.2f} | {p['hostile_tpot_ms']:.1f} | "
+            f"{s['hostile_tpot_ms']:.1f} |"
+        )
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print("\n" + table)
@@ -139,8 +158,12 @@ def write(rows: list[dict], out: Path, args) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name in ("plain", "self-admg"):
-        ax.plot([r["round"] for r in rows if r["server"] == name],
-                [r["ordinary_tpot_ms"] for r in rows if r["server"] == name], "o-", label=name)
+        ax.plot(
+            [r["round"] for r in rows if r["server"] == name],
+            [r["ordinary_tpot_ms"] for r in rows if r["server"] == name],
+            "o-",
+            label=name,
+        )
     ax.set(xlabel="round", ylabel="ms per output token", title="ordinary request beside a hostile prompt")
     ax.set_ylim(bottom=0)
     ax.legend()

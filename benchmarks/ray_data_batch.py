@@ -44,17 +44,32 @@ class SelfAdmgReplica:
         return batch
 
 
-def generate(prompts: list[str], model: str, speculative_config: dict | None, *, workers: int,
-             sampling: dict, engine: dict, batch_size: int = 8, num_gpus: float = 0) -> list[dict]:
+def generate(
+    prompts: list[str],
+    model: str,
+    speculative_config: dict | None,
+    *,
+    workers: int,
+    sampling: dict,
+    engine: dict,
+    batch_size: int = 8,
+    num_gpus: float = 0,
+) -> list[dict]:
     """Rows {"id", "prompt", "text", "token_ids"} in prompt order, from `workers` replicas
     (`ray.init` must have been called)."""
     import ray
 
     dataset = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
     outputs = dataset.map_batches(
-        SelfAdmgReplica, fn_constructor_kwargs=dict(model=model, speculative_config=speculative_config,
-                                                    sampling=sampling, engine=engine),
-        concurrency=workers, batch_size=batch_size, num_cpus=1, num_gpus=num_gpus)
+        SelfAdmgReplica,
+        fn_constructor_kwargs=dict(
+            model=model, speculative_config=speculative_config, sampling=sampling, engine=engine
+        ),
+        concurrency=workers,
+        batch_size=batch_size,
+        num_cpus=1,
+        num_gpus=num_gpus,
+    )
     rows = sorted(outputs.take_all(), key=lambda row: row["id"])
     return [{**row, "token_ids": [int(t) for t in row["token_ids"]]} for row in rows]
 
@@ -81,23 +96,45 @@ def main(argv=None) -> None:
     from benchmarks import assets
 
     args = parse_args(argv)
-    print(f"dtype {args.dtype} (--dtype)" if args.dtype else
-          f"dtype: each replica's native one (here {native_dtype().reason})", flush=True)
+    print(
+        f"dtype {args.dtype} (--dtype)"
+        if args.dtype
+        else f"dtype: each replica's native one (here {native_dtype().reason})",
+        flush=True,
+    )
     model = assets.model_or_path(args.model)
     prompts = assets.load_prompts(args.workload, limit=args.prompts)
     sampling = dict(temperature=0, max_tokens=args.max_tokens)
     engine = dict(dtype=args.dtype, max_model_len=2048, kv_cache_memory_bytes=1 << 30)
     ray.init(address=args.address)
     start = time.perf_counter()
-    rows = generate(prompts, model, json.loads(args.speculative_config), workers=args.workers,
-                    sampling=sampling, engine=engine, batch_size=args.batch_size, num_gpus=args.num_gpus)
+    rows = generate(
+        prompts,
+        model,
+        json.loads(args.speculative_config),
+        workers=args.workers,
+        sampling=sampling,
+        engine=engine,
+        batch_size=args.batch_size,
+        num_gpus=args.num_gpus,
+    )
     seconds = time.perf_counter() - start
     tokens = sum(len(r["token_ids"]) for r in rows)
-    print(f"{len(rows)} rows, {tokens} tokens in {seconds:.1f} s on {args.workers} self-admg replicas "
-          f"(engine start-up included)")
+    print(
+        f"{len(rows)} rows, {tokens} tokens in {seconds:.1f} s on {args.workers} self-admg replicas "
+        f"(engine start-up included)"
+    )
     if args.check:
-        plain = generate(prompts, model, None, workers=args.workers, sampling=sampling,
-                         engine=engine, batch_size=args.batch_size, num_gpus=args.num_gpus)
+        plain = generate(
+            prompts,
+            model,
+            None,
+            workers=args.workers,
+            sampling=sampling,
+            engine=engine,
+            batch_size=args.batch_size,
+            num_gpus=args.num_gpus,
+        )
         differ = [r["id"] for r, p in zip(rows, plain) if r["token_ids"] != p["token_ids"]]
         print(f"rows differing from plain decoding: {differ or 'none'}")
     for row in rows[:3]:

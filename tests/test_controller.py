@@ -125,7 +125,10 @@ def test_lookup_draft_takes_the_better_of_own_context_and_history():
 
 def test_token_bins_by_match_length_and_agreement():
     assert token_bins("lookup", (0.5, 0.5, 0.25), 3, 3) == [
-        ("lookup", False, 1, 2), ("lookup", False, 1, 4), ("lookup", False, 1, 2)]
+        ("lookup", False, 1, 2),
+        ("lookup", False, 1, 4),
+        ("lookup", False, 1, 2),
+    ]
     assert token_bins("history", (0.9,), 12, 1, sampled=True) == [("history", True, 3, 4)]
     assert token_bins("lookup", (), 0, 2) == [("lookup", False)] * 2  # no probabilities: one bin
 
@@ -161,8 +164,10 @@ def target_step_cost():
 def test_step_cost_fits_each_kind_of_work_and_ignores_idle_gaps():
     cost = target_step_cost()
     # Decode steps of 1-8 rows, half of them sampling, some verifying drafts, a few prefill chunks.
-    steps = ([(0, n, s, v) for n in range(1, 9) for s in (0, n // 2) for v in (0, n % 2)]
-             + [(300, 1, 0, 0), (120, 2, 1, 0)])
+    steps = [(0, n, s, v) for n in range(1, 9) for s in (0, n // 2) for v in (0, n % 2)] + [
+        (300, 1, 0, 0),
+        (120, 2, 1, 0),
+    ]
     for new in (1, 0):  # each shape comes twice, the first time with set-up
         for p, n, s, v in steps:
             cost.observe((p, n, s, v, new), 0.2 + 0.001 * p + 0.01 * n + 0.02 * s + 0.05 * v + 0.03 * new)
@@ -225,8 +230,10 @@ def test_set_up_at_a_new_shape_is_not_charged_to_verification():
         step(rows, drafts)
     t0, (_, _, _, t_verify, t_new) = controller.costs.step.coefficients()
     assert t_verify < 0.002 and t_new == pytest.approx(0.012, rel=0.2)
-    sure = [RowOffer(f"r{i}", lookup_tokens=3, lookup_source="history", lookup_probs=(0.5, 0.5, 0.5), lookup_match=8)
-            for i in range(6)]
+    sure = [
+        RowOffer(f"r{i}", lookup_tokens=3, lookup_source="history", lookup_probs=(0.5, 0.5, 0.5), lookup_match=8)
+        for i in range(6)
+    ]
     assert sum(controller.plan(sure, self_budget=0).lookup_lengths) > 0
 
 
@@ -299,8 +306,11 @@ def test_requests_waiting_for_admission_raise_what_a_draft_must_gain():
     step = t0 + 45 * t1
     margin = (1 + DRAFT_MARGIN) * 45 / step * t1  # what a token must be worth with nothing waiting: 0.51
     queue = 45 / step * t1  # and what 45 queued requests add: 0.43
-    for accepted, waiting, drafts in ((margin + 0.1, 0, True), (margin + 0.1, 45, False),
-                                      (margin + queue + 0.03, 45, True)):
+    for accepted, waiting, drafts in (
+        (margin + 0.1, 0, True),
+        (margin + 0.1, 45, False),
+        (margin + queue + 0.03, 45, True),
+    ):
         controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=accepted, self_rate=0.1)
         offers = lookup_rows(*[1] * 45)
         assert (sum(controller.plan(offers, self_budget=0, waiting=waiting).lookup_lengths) > 0) == drafts
@@ -471,8 +481,9 @@ def test_rates_learned_on_greedy_rows_do_not_price_sampled_rows():
 
 def test_each_row_drafts_from_the_source_it_trusts_more():
     controller = with_learned_bins(trained(t0=0.25, t1=0.01, self_step=0.01, lookup_rate=0.9, self_rate=0.9))
-    plan = controller.plan([RowOffer("a", can_self_draft=True, **SURE), RowOffer("b", can_self_draft=True, **WEAK)],
-                           self_budget=4)
+    plan = controller.plan(
+        [RowOffer("a", can_self_draft=True, **SURE), RowOffer("b", can_self_draft=True, **WEAK)], self_budget=4
+    )
     assert (plan.lookup_lengths, plan.self_rows, plan.self_length) == ([4, 0], [False, True], 4)
 
 
@@ -523,8 +534,9 @@ def test_a_new_request_is_probed_only_if_self_drafting_wins_its_probe_back():
     assert plan(remaining=10).self_length == 0
     assert plan(remaining=10, has_mask=True).self_length == 4
     assert plan(remaining=400).self_length == 4 and plan(remaining=None).self_length == 4
-    mixed = controller.plan([dataclasses.replace(o, remaining=10, has_mask=i == 0)
-                             for i, o in enumerate(self_rows(2))], self_budget=4)
+    mixed = controller.plan(
+        [dataclasses.replace(o, remaining=10, has_mask=i == 0) for i, o in enumerate(self_rows(2))], self_budget=4
+    )
     assert mixed.self_rows == [True, False] and mixed.self_length == 4
 
 
@@ -650,8 +662,10 @@ def test_tenant_histories_keep_what_the_rule_says_and_drop_cheaply():
     rng = np.random.default_rng(3)
     for trial in range(200):
         max_tokens = int(rng.integers(5, 60))
-        adds = [(int(rng.integers(0, 4)) if rng.random() < 0.8 else None,
-                 rng.integers(0, 9, int(rng.integers(0, 12)))) for _ in range(int(rng.integers(1, 30)))]
+        adds = [
+            (int(rng.integers(0, 4)) if rng.random() < 0.8 else None, rng.integers(0, 9, int(rng.integers(0, 12))))
+            for _ in range(int(rng.integers(1, 30)))
+        ]
         histories = TenantHistories(max_tokens)
         for tenant, output in adds:
             histories.add(tenant, output)

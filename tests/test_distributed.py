@@ -3,7 +3,6 @@ identical on every rank), Ray Data batch inference with a self-admg engine in ev
 a local Ray cluster, and a clear refusal of vLLM's Ray executor, which vLLM 0.32's CPU build
 does not support (docs/design.md, "Past one machine")."""
 
-
 import pytest
 from ray import cloudpickle
 from vllm import SamplingParams
@@ -38,10 +37,18 @@ def plain_greedy(plain_tiny, tiny_prompts):
     return token_ids(plain_tiny.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False))
 
 
-def test_ray_data_replicas_match_plain_decoding(ray_cluster, tiny_model_path, tiny_prompts,
-                                                mixed_options, plain_greedy):
-    rows = ray_data_batch.generate(tiny_prompts * 2, str(tiny_model_path), mixed_options, workers=2,
-                                   sampling=GREEDY, engine=ENGINE_DEFAULTS, batch_size=1)
+def test_ray_data_replicas_match_plain_decoding(
+    ray_cluster, tiny_model_path, tiny_prompts, mixed_options, plain_greedy
+):
+    rows = ray_data_batch.generate(
+        tiny_prompts * 2,
+        str(tiny_model_path),
+        mixed_options,
+        workers=2,
+        sampling=GREEDY,
+        engine=ENGINE_DEFAULTS,
+        batch_size=1,
+    )
     assert [r["token_ids"] for r in rows] == plain_greedy * 2
     assert len({r["replica"] for r in rows}) == 2  # both replicas served rows
 
@@ -64,8 +71,9 @@ def within(seconds: float, call):
     return result["value"]
 
 
-def test_tensor_parallel_ranks_take_identical_decisions(tiny_model_path, tiny_prompts, mixed_options,
-                                                        plain_greedy, monkeypatch):
+def test_tensor_parallel_ranks_take_identical_decisions(
+    tiny_model_path, tiny_prompts, mixed_options, plain_greedy, monkeypatch
+):
     """Tensor parallel 2 (vLLM's multiprocessing executor: the Ray executor does not run on the
     CPU build). Each rank holds half of every layer; masks come from all-reduced activations
     and, with the draft tokens and exits, are broadcast from rank 0, so every rank must hold
@@ -75,15 +83,18 @@ def test_tensor_parallel_ranks_take_identical_decisions(tiny_model_path, tiny_pr
     # vLLM's CPU auto-binding wants a NUMA node per rank, and this machine has one: one core each.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv(INJECT_ENV, "lookup@5@rank1")
-    hybrid = {**mixed_options, "lookup": True, "adaptive": True,  # rank-local timings
-              "experimental": {**mixed_options["experimental"], "lookup_max_match": 4}}
+    hybrid = {
+        **mixed_options,
+        "lookup": True,
+        "adaptive": True,  # rank-local timings
+        "experimental": {**mixed_options["experimental"], "lookup_max_match": 4},
+    }
     llm = make_llm(tiny_model_path, tensor_parallel_size=2, speculative_config=hybrid)
     try:
         outputs = within(120, lambda: llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False))
         assert token_ids(outputs) == plain_greedy
         # Long enough for the controller to retry self-drafts (so masks exist to compare).
-        within(120, lambda: llm.generate(tiny_prompts, SamplingParams(**{**GREEDY, "max_tokens": 96}),
-                                         use_tqdm=False))
+        within(120, lambda: llm.generate(tiny_prompts, SamplingParams(**{**GREEDY, "max_tokens": 96}), use_tqdm=False))
         assert spec_counters(llm)["num_draft_tokens"] > 0
         reports = llm.collective_rpc(proposer_report)
         assert len(reports) == 2
@@ -103,5 +114,6 @@ def test_ray_executor_on_the_cpu_build_is_refused_early(tiny_model_path):
     from vllm_selfspec.options import SelfAdmgConfigError
 
     with pytest.raises(SelfAdmgConfigError, match="distributed_executor_backend='ray' does not run"):
-        EngineArgs(model=str(tiny_model_path), distributed_executor_backend="ray",
-                   speculative_config={"method": "self-admg"}).create_engine_config()
+        EngineArgs(
+            model=str(tiny_model_path), distributed_executor_backend="ray", speculative_config={"method": "self-admg"}
+        ).create_engine_config()

@@ -24,8 +24,9 @@ def test_native_bf16_flags_choose_bfloat16():
 def test_without_native_bf16_float32_and_why():
     choice = native_dtype({"avx2", "avx512f"}, cuda=False)
     assert choice.dtype == "float32"
-    assert choice.reason == ("float32: this CPU has no native bf16 (no avx512_bf16/amx_bf16); "
-                             "bf16 would fall back to slow kernels")
+    assert choice.reason == (
+        "float32: this CPU has no native bf16 (no avx512_bf16/amx_bf16); bf16 would fall back to slow kernels"
+    )
     assert native_dtype(set(), cuda=True) == DtypeChoice("bfloat16", "bfloat16: a CUDA device is present")
 
 
@@ -76,7 +77,10 @@ def test_every_command_that_builds_engines_binds_the_cores():
     lab = Path(engine.__file__).parent
     # ray_data_batch runs one replica per core, each with vLLM's own binding
     exempt = {"engine.py", "ray_data_batch.py"}
-    commands = [p for p in lab.rglob("*.py") if p.name not in exempt
-                and re.search(r"\b(build_llm|engine|VllmServer)\(", p.read_text())]
+    commands = [
+        p
+        for p in lab.rglob("*.py")
+        if p.name not in exempt and re.search(r"\b(build_llm|engine|VllmServer)\(", p.read_text())
+    ]
     assert len(commands) >= 8
     assert [p.name for p in commands if "bind_worker_cores()" not in p.read_text()] == []

@@ -13,8 +13,15 @@ from conftest import close_llm, make_llm, proposer_report, token_ids
 # Lookup drafts where the context repeats, self-drafts elsewhere, all of them every step (no
 # cost control), so that every stage runs in every step.
 # The random tiny model is unsure of every token: no draft exit, or self-drafts would stop at once.
-EVERY_STAGE = {"method": "self-admg", "num_speculative_tokens": 3, "adaptive": False, "draft_exit_threshold": 0.0,
-               "keep_edge_layers": 0, "attention_threshold": 0.5, "mlp_threshold": 0.5}
+EVERY_STAGE = {
+    "method": "self-admg",
+    "num_speculative_tokens": 3,
+    "adaptive": False,
+    "draft_exit_threshold": 0.0,
+    "keep_edge_layers": 0,
+    "attention_threshold": 0.5,
+    "mlp_threshold": 0.5,
+}
 
 
 def test_fail_safe_serves_the_fallback_and_switches_off_after_faults_in_a_row(caplog):
@@ -114,8 +121,9 @@ def plain_ids(plain_tiny, tiny_prompts):
     return token_ids(plain_tiny.generate(tiny_prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)))
 
 
-def test_injected_fault_at_each_stage_costs_only_that_steps_drafts(tiny_model_path, tiny_prompts, plain_ids,
-                                                                     monkeypatch):
+def test_injected_fault_at_each_stage_costs_only_that_steps_drafts(
+    tiny_model_path, tiny_prompts, plain_ids, monkeypatch
+):
     ids, report = run_with_faults(tiny_model_path, tiny_prompts, "lookup@3,plan@7,probe@1,draft@9", monkeypatch)
     assert ids == plain_ids
     assert report["faults"] == 4 and not report["drafting_disabled"]
@@ -124,8 +132,9 @@ def test_injected_fault_at_each_stage_costs_only_that_steps_drafts(tiny_model_pa
     assert report["draft_tokens"] > 0 and report["lookup_tokens"] > 0  # drafting went on
 
 
-def test_injected_fault_every_step_switches_drafting_off_and_serves_on(tiny_model_path, tiny_prompts, plain_ids,
-                                                                         monkeypatch):
+def test_injected_fault_every_step_switches_drafting_off_and_serves_on(
+    tiny_model_path, tiny_prompts, plain_ids, monkeypatch
+):
     ids, report = run_with_faults(tiny_model_path, tiny_prompts, "draft@every", monkeypatch)
     assert ids == plain_ids
     assert report["drafting_disabled"] and report["faults"] == MAX_CONSECUTIVE_FAULTS

@@ -38,21 +38,33 @@ def assert_self_admg(config, k):
     return config.additional_config[ADDITIONAL_CONFIG_KEY]
 
 
-@pytest.mark.parametrize("argv, k", [
-    (["--speculative-config", '{"method": "self-admg", "num_speculative_tokens": 3}'], 3),
-    (["-sc", '{"model": "self-admg"}'], 4),
-    (["--spec-method", "self-admg", "--spec-tokens", "2"], 2),
-    (["--speculative-model", "self-admg", "--num-speculative-tokens", "5"], 5),
-    (["--speculative-model", "self-admg"], 4),
-])
+@pytest.mark.parametrize(
+    "argv, k",
+    [
+        (["--speculative-config", '{"method": "self-admg", "num_speculative_tokens": 3}'], 3),
+        (["-sc", '{"model": "self-admg"}'], 4),
+        (["--spec-method", "self-admg", "--spec-tokens", "2"], 2),
+        (["--speculative-model", "self-admg", "--num-speculative-tokens", "5"], 5),
+        (["--speculative-model", "self-admg"], 4),
+    ],
+)
 def test_cli_spellings(tiny_model_path, argv, k):
     assert_self_admg(cli_engine_config(tiny_model_path, *argv), k)
 
 
 def test_python_spellings_and_options(tiny_model_path):
-    options = assert_self_admg(engine_config(
-        tiny_model_path, speculative_config={"method": "self-admg", "num_speculative_tokens": 3,
-                                             "skip": "attention", "attention_threshold": 0.9}), 3)
+    options = assert_self_admg(
+        engine_config(
+            tiny_model_path,
+            speculative_config={
+                "method": "self-admg",
+                "num_speculative_tokens": 3,
+                "skip": "attention",
+                "attention_threshold": 0.9,
+            },
+        ),
+        3,
+    )
     assert options["skip"] == "attention" and options["attention_threshold"] == 0.9
     assert_self_admg(engine_config(tiny_model_path, spec_method="self-admg", spec_tokens=2), 2)
 
@@ -63,8 +75,9 @@ def test_only_offline_batches_are_planned_to_end_together(tiny_model_path):
     from vllm.usage.usage_lib import UsageContext
 
     def closed(usage_context):
-        args = EngineArgs(model=str(tiny_model_path), dtype="float32", max_model_len=512,
-                          speculative_config={"method": "self-admg"})
+        args = EngineArgs(
+            model=str(tiny_model_path), dtype="float32", max_model_len=512, speculative_config={"method": "self-admg"}
+        )
         return args.create_engine_config(usage_context).additional_config[CLOSED_BATCHES_KEY]
 
     assert closed(UsageContext.LLM_CLASS) and closed(UsageContext.OPENAI_BATCH_RUNNER)
@@ -76,19 +89,23 @@ def test_only_offline_batches_are_planned_to_end_together(tiny_model_path):
 
 
 def test_other_methods_pass_through_untouched(tiny_model_path):
-    config = engine_config(tiny_model_path, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    config = engine_config(
+        tiny_model_path, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    )
     assert config.speculative_config.method == "ngram"
     assert config.num_lookahead_tokens == 0
     assert ADDITIONAL_CONFIG_KEY not in config.additional_config
 
 
-@pytest.mark.parametrize("spec, fragment", [
-    ({"method": "self-admg", "attention_threshold": 2}, "'attention_threshold' must be in [-1.0, 1.0]"),
-    ({"method": "self-admg", "thresold": 0.9}, "unknown self-admg option(s) ['thresold']"),
-    ({"method": "self-admg", "skip": "everything"}, "'skip' must be one of"),
-    ({"method": "self-admg", "num_speculative_tokens": 99}, "'num_speculative_tokens' must be in [1, 32]"),
-])
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ({"method": "self-admg", "attention_threshold": 2}, "'attention_threshold' must be in [-1.0, 1.0]"),
+        ({"method": "self-admg", "thresold": 0.9}, "unknown self-admg option(s) ['thresold']"),
+        ({"method": "self-admg", "skip": "everything"}, "'skip' must be one of"),
+        ({"method": "self-admg", "num_speculative_tokens": 99}, "'num_speculative_tokens' must be in [1, 32]"),
+    ],
+)
 def test_bad_options_fail_before_the_engine(tiny_model_path, spec, fragment):
     with pytest.raises(SelfAdmgConfigError) as err:
         engine_config(tiny_model_path, speculative_config=spec)
@@ -129,18 +146,25 @@ def test_vllm_console_script_works_and_refuses_bad_options(tiny_model_path):
     out = subprocess.run([VLLM, "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().startswith("0.32.0"), out.stderr[-2000:]
     bad = json.dumps({"method": "self-admg", "mlp_threshold": 7})
-    out = subprocess.run([VLLM, "serve", str(tiny_model_path), "--speculative-config", bad,
-                          "--port", "0"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    out = subprocess.run(
+        [VLLM, "serve", str(tiny_model_path), "--speculative-config", bad, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+    )
     assert out.returncode != 0
     assert "'mlp_threshold' must be in [-1.0, 1.0], got 7" in out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("engine_kwargs, fragment", [
-    (dict(model_impl="transformers"), "model_impl='transformers' is not supported (allowed: 'auto' or 'vllm')"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported (allowed: 'auto')"),
-    (dict(kv_offloading_size=1.0), "kv_transfer_config and kv_offloading_size must be unset"),
-])
+@pytest.mark.parametrize(
+    "engine_kwargs, fragment",
+    [
+        (dict(model_impl="transformers"), "model_impl='transformers' is not supported (allowed: 'auto' or 'vllm')"),
+        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported (allowed: 'auto')"),
+        (dict(kv_offloading_size=1.0), "kv_transfer_config and kv_offloading_size must be unset"),
+    ],
+)
 def test_set_ups_the_draft_path_does_not_handle_are_refused(tiny_model_path, engine_kwargs, fragment):
     with pytest.raises(SelfAdmgConfigError, match="^self-admg: ") as err:
         engine_config(tiny_model_path, speculative_config={"method": "self-admg"}, **engine_kwargs)

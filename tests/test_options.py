@@ -17,7 +17,8 @@ def test_readme_option_table_is_the_schema():
     table = re.search(r"<!-- options-table:begin -->\n(.*?)\n<!-- options-table:end -->", text, re.S)
     assert table, "README.md lacks the options-table markers"
     assert table.group(1).strip() == options_table().strip(), (
-        "README's option table differs from the schema: paste `python -m vllm_selfspec.options`")
+        "README's option table differs from the schema: paste `python -m vllm_selfspec.options`"
+    )
 
 
 def test_public_and_experimental_options_are_apart():
@@ -46,12 +47,15 @@ def test_options_round_trip_through_their_user_form():
     assert make_options(opts.as_dict()) == opts
 
 
-@pytest.mark.parametrize("old, expected", [
-    ({"skip_budget": 0.3}, {"skip_budget": 0.3}),
-    ({"draft_vocab": 0}, {"draft_vocab": 0}),
-    ({"lookup_ngram": 0}, {"lookup": False}),
-    ({"lookup_ngram": 6}, {"lookup": True, "lookup_max_match": 6}),
-])
+@pytest.mark.parametrize(
+    "old, expected",
+    [
+        ({"skip_budget": 0.3}, {"skip_budget": 0.3}),
+        ({"draft_vocab": 0}, {"draft_vocab": 0}),
+        ({"lookup_ngram": 0}, {"lookup": False}),
+        ({"lookup_ngram": 6}, {"lookup": True, "lookup_max_match": 6}),
+    ],
+)
 def test_old_spellings_still_work_and_name_the_new_one(old, expected, caplog):
     options._deprecation_warned.clear()
     with caplog.at_level(logging.WARNING, logger="vllm.selfspec"):

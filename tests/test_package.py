@@ -46,11 +46,30 @@ def wheel(tmp_path_factory) -> Iterator[zipfile.ZipFile]:
     """The wheel pip builds from a copy of the tree: a build in place would write build/ and
     egg-info into the working tree that the editable install runs from."""
     source = tmp_path_factory.mktemp("source") / "vllm-selfspec"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "results"))
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "results"
+        ),
+    )
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "--wheel-dir", str(out), str(source)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "--wheel-dir",
+            str(out),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (path,) = out.glob("vllm_selfspec-*.whl")
     with zipfile.ZipFile(path) as archive:
         yield archive
@@ -73,15 +92,17 @@ def test_the_wheel_registers_the_plugin_and_nothing_else(wheel):
     entry_points = configparser.ConfigParser()
     entry_points.read_string(dist_info(wheel, "entry_points.txt"))
     assert {section: dict(entry_points[section]) for section in entry_points.sections()} == {
-        "vllm.general_plugins": {"self_admg": "vllm_selfspec.plugin:register"}}
+        "vllm.general_plugins": {"self_admg": "vllm_selfspec.plugin:register"}
+    }
 
 
 def test_the_wheel_requires_only_what_the_runtime_imports(wheel):
     metadata = HeaderParser().parsestr(dist_info(wheel, "METADATA"))
     requirements = [Requirement(r) for r in metadata.get_all("Requires-Dist")]
     assert {r.name for r in requirements if r.marker is None} == RUNTIME_REQUIREMENTS
-    by_extra = {extra: {r.name for r in requirements if r.marker and r.marker.evaluate({"extra": extra})}
-                for extra in EXTRAS}
+    by_extra = {
+        extra: {r.name for r in requirements if r.marker and r.marker.evaluate({"extra": extra})} for extra in EXTRAS
+    }
     assert set(metadata.get_all("Provides-Extra")) == EXTRAS
     assert all(r.marker is None or any(r.marker.evaluate({"extra": e}) for e in EXTRAS) for r in requirements)
     # What the lab and the tests need stays in extras; the set-up installs `test`, .ci/run lints.
@@ -105,8 +126,11 @@ def installed_vllm() -> Path | None:
         return None
     package = Path(next(iter(spec.submodule_search_locations)))
     version_file = package / "_version.py"
-    found = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)", version_file.read_text()) \
-        if version_file.exists() else None
+    found = (
+        re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)", version_file.read_text())
+        if version_file.exists()
+        else None
+    )
     if not found or found.group(1).split("+")[0] != PATCHED_VLLM_VERSION:
         return None
     return package.parent
@@ -127,8 +151,13 @@ def apply(patches: list[Path], site: Path, work: Path) -> str:
             command = ["patch", "-p1", "--forward", "--batch", "-d", str(work), "-i", str(patch)]
         else:
             command = ["git", "apply", "-p1", "--verbose", str(patch)]
-        done = subprocess.run(command, cwd=work, capture_output=True, text=True,
-                              env={**os.environ, "GIT_CEILING_DIRECTORIES": str(work.parent)})
+        done = subprocess.run(
+            command,
+            cwd=work,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GIT_CEILING_DIRECTORIES": str(work.parent)},
+        )
         assert done.returncode == 0, f"{patch.name} does not apply:\n{done.stdout}{done.stderr}"
         output += done.stdout + done.stderr
     for name in {f for p in patches for f in patched_files(p)}:

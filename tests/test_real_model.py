@@ -25,8 +25,9 @@ def humaneval():
 
 
 def run(model, prompts, dtype, speculative_config=None, logprobs=None):
-    llm = make_llm(model, dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=256 << 20,
-                   speculative_config=speculative_config)
+    llm = make_llm(
+        model, dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=256 << 20, speculative_config=speculative_config
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=logprobs)
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -39,9 +40,11 @@ def test_greedy_float32_is_identical_to_plain_decoding(smollm2, humaneval):
     plain, _ = run(smollm2, humaneval, "float32")
     ours, counters = run(smollm2, humaneval, "float32", SELF_ADMG)
     rate = counters["num_accepted_tokens"] / counters["num_draft_tokens"]
-    print(f"\nSmolLM2-135M float32, {NUM_PROMPTS} HumanEval prompts x {NUM_TOKENS} tokens: "
-          f"acceptance rate {rate:.1%} ({counters['num_accepted_tokens']:.0f}/"
-          f"{counters['num_draft_tokens']:.0f} draft tokens)")
+    print(
+        f"\nSmolLM2-135M float32, {NUM_PROMPTS} HumanEval prompts x {NUM_TOKENS} tokens: "
+        f"acceptance rate {rate:.1%} ({counters['num_accepted_tokens']:.0f}/"
+        f"{counters['num_draft_tokens']:.0f} draft tokens)"
+    )
     mismatched = [i for i, (a, b) in enumerate(zip(token_ids(plain), token_ids(ours))) if a != b]
     assert not mismatched, f"prompts {mismatched} differ from plain decoding"
     assert rate > 0
@@ -63,8 +66,9 @@ def test_bfloat16_divergences_are_near_ties(smollm2, humaneval):
     plain, _ = run(smollm2, humaneval, "bfloat16", logprobs=5)
     # Self-drafts only, selected by a byte budget: the path where vLLM's CPU weight repacking
     # once hid the weights' sizes.
-    ours, counters = run(smollm2, humaneval, "bfloat16",
-                         {**SELF_ADMG, **SELF_DRAFTS_ONLY, "experimental": {"skip_budget": 0.1}})
+    ours, counters = run(
+        smollm2, humaneval, "bfloat16", {**SELF_ADMG, **SELF_DRAFTS_ONLY, "experimental": {"skip_budget": 0.1}}
+    )
     assert counters["num_draft_tokens"] > 0
     divergences = {}
     for i, (p, ids) in enumerate(zip(plain, token_ids(ours))):

@@ -98,11 +98,13 @@ def test_a_step_without_drafts_is_sampled_as_plain_decoding():
     runner_hook.install()
     calls = []
     runner = SimpleNamespace(
-        drafter=object.__new__(SelfAdmgProposer), use_async_scheduling=False,
+        drafter=object.__new__(SelfAdmgProposer),
+        use_async_scheduling=False,
         input_batch=SimpleNamespace(sampling_metadata=None, update_async_output_token_ids=lambda: None),
         sampler=lambda logits, sampling_metadata: calls.append("plain"),
         rejection_sampler=lambda *args: calls.append("rejection"),
-        _get_spec_decode_draft_probs=lambda metadata: None)
+        _get_spec_decode_draft_probs=lambda metadata: None,
+    )
     logits = torch.zeros(2, 8)
     GPUModelRunner._sample(runner, logits, SpecDecodeMetadata.make_dummy([[], []], device="cpu"))
     GPUModelRunner._sample(runner, logits, SpecDecodeMetadata.make_dummy([[3], []], device="cpu"))
@@ -126,8 +128,9 @@ def test_min_p_is_served_with_plain_decodings_distribution(plain_tiny, admg_alwa
     free = SamplingParams(temperature=1.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
     def run(llm, with_min_p):
-        outputs = llm.generate([prompt] * (2 * NUM_SAMPLES), [min_p, free] * NUM_SAMPLES if with_min_p else free,
-                               use_tqdm=False)
+        outputs = llm.generate(
+            [prompt] * (2 * NUM_SAMPLES), [min_p, free] * NUM_SAMPLES if with_min_p else free, use_tqdm=False
+        )
         return np.array([o.outputs[0].token_ids for o in outputs[0::2]])
 
     before = spec_counters(admg_always_drafting)
@@ -146,8 +149,12 @@ def test_logit_bias_is_served_exactly(plain_tiny, admg_always_drafting, tiny_pro
     unbiased = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     first = token_ids(plain_tiny.generate(tiny_prompts, unbiased, use_tqdm=False))
     # Push each prompt's own second greedy token up everywhere: outputs change, and must change alike.
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={ids[1]: 5.0})
-              if i % 2 == 0 else unbiased for i, ids in enumerate(first)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={ids[1]: 5.0})
+        if i % 2 == 0
+        else unbiased
+        for i, ids in enumerate(first)
+    ]
     plain = token_ids(plain_tiny.generate(tiny_prompts, params, use_tqdm=False))
     ours = token_ids(admg_always_drafting.generate(tiny_prompts, params, use_tqdm=False))
     assert ours == plain

@@ -16,16 +16,30 @@ from benchmarks import serve_load
 
 pytestmark = pytest.mark.engine
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
 def server_flags(logs) -> list[str]:
     (logs / "chat.jinja").write_text(CHAT_TEMPLATE)
-    return ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-            "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "128",
-            "--chat-template", str(logs / "chat.jinja")]
+    return [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--max-num-batched-tokens",
+        "128",
+        "--chat-template",
+        str(logs / "chat.jinja"),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +52,13 @@ def servers(tiny_model_path, mixed_options, tmp_path_factory):
     common = server_flags(logs)
     plain = serve_load.VllmServer(tiny_model_path, *common, log_path=logs / "plain.log")
     admg = serve_load.VllmServer(
-        tiny_model_path, *common, "--speculative-config", json.dumps(mixed_options),
-        log_path=logs / "self-admg.log", env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+        tiny_model_path,
+        *common,
+        "--speculative-config",
+        json.dumps(mixed_options),
+        log_path=logs / "self-admg.log",
+        env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+    )
     try:
         plain.start(), admg.start()
         plain.wait_until_healthy(), admg.wait_until_healthy()
@@ -56,7 +75,8 @@ def complete(server, prompt, **kwargs):
 
 def chat(server, content, **kwargs):
     return server.client().chat.completions.create(
-        model=server.model, messages=[{"role": "user", "content": content}], **kwargs)
+        model=server.model, messages=[{"role": "user", "content": content}], **kwargs
+    )
 
 
 def completion_ids(response) -> list[int]:
@@ -86,9 +106,18 @@ def test_operators_read_the_proposer_on_metrics_without_dev_mode(servers):
 
     _, admg = servers
     names = set(admg.metrics())
-    for name in ("faults_total", "steps_skipped_for_faults_total", "drafting_disabled", "draft_tokens_total",
-                 "lookup_tokens_accepted_total", "probes_total", "probe_seconds_total", "proposer_steps_total",
-                 "proposer_seconds_total", "requests_holding_state"):
+    for name in (
+        "faults_total",
+        "steps_skipped_for_faults_total",
+        "drafting_disabled",
+        "draft_tokens_total",
+        "lookup_tokens_accepted_total",
+        "probes_total",
+        "probe_seconds_total",
+        "proposer_steps_total",
+        "proposer_seconds_total",
+        "requests_holding_state",
+    ):
         assert f"vllm:self_admg_{name}" in names, name
     assert wait_until(lambda: self_admg_metric(admg, "proposer_steps_total") > 0)
     assert self_admg_metric(admg, "drafting_disabled") == 0
@@ -114,10 +143,10 @@ def test_stop_strings_and_max_tokens(servers):
     plain, admg = servers
     prompt = "def add(a, b):\n"
     full = complete(plain, prompt, **GREEDY).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     a = complete(admg, prompt, stop=[stop], **GREEDY)
     b = complete(plain, prompt, stop=[stop], **GREEDY)
-    assert a.choices[0].text == b.choices[0].text == full[:full.index(stop)]
+    assert a.choices[0].text == b.choices[0].text == full[: full.index(stop)]
     assert a.choices[0].finish_reason == "stop"
     for max_tokens in (1, 2, 5):
         a = complete(admg, prompt, **{**GREEDY, "max_tokens": max_tokens})
@@ -155,8 +184,12 @@ def test_mixed_temperatures_in_flight(servers, tiny_prompts):
     """Greedy and sampled requests (with top-k, top-p, penalties) in one batch at once: the
     greedy ones still equal the plain server's."""
     plain, admg = servers
-    sampled = dict(temperature=1.0, top_p=0.9, max_tokens=24,
-                   extra_body={"ignore_eos": True, "top_k": 20, "repetition_penalty": 1.2})
+    sampled = dict(
+        temperature=1.0,
+        top_p=0.9,
+        max_tokens=24,
+        extra_body={"ignore_eos": True, "top_k": 20, "repetition_penalty": 1.2},
+    )
     jobs = [(p, GREEDY if i % 2 == 0 else sampled) for i, p in enumerate(tiny_prompts * 2)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: complete(admg, job[0], **job[1]), jobs))
@@ -177,8 +210,9 @@ def test_client_disconnect_frees_its_request(servers):
     """A client that goes away mid-stream: vLLM aborts the request, and its skip mask goes
     with vLLM's own state (no request running, none holding a mask, KV cache free)."""
     _, admg = servers
-    stream = complete(admg, "The quick brown", stream=True, temperature=0, max_tokens=480,
-                      extra_body={"ignore_eos": True})
+    stream = complete(
+        admg, "The quick brown", stream=True, temperature=0, max_tokens=480, extra_body={"ignore_eos": True}
+    )
     assert next(stream).choices[0].text is not None  # under way: 480 tokens to go
     stream.close()
     assert wait_until(lambda: admg.metrics()["vllm:num_requests_running"] == 0)
@@ -202,8 +236,9 @@ def test_bad_requests_get_400_and_the_engine_lives_on(servers, tiny_prompts):
 def test_load_side_by_side(servers, tiny_prompts):
     """500 requests from 16 clients under a hard time limit on each server, after 500 of
     warm-up: no failures, resident memory flat, acceptance counted on /metrics, healthy after."""
-    args = serve_load.parse_args(["--requests", "500", "--concurrency", "16", "--max-tokens", "16",
-                                  "--warmup", "500", "--time-limit", "600"])
+    args = serve_load.parse_args(
+        ["--requests", "500", "--concurrency", "16", "--max-tokens", "16", "--warmup", "500", "--time-limit", "600"]
+    )
     rows = []
     for name, server in zip(("plain", "self-admg"), servers):
         row, load = serve_load.load_one_server(server, name, tiny_prompts, args)
@@ -227,8 +262,7 @@ def test_load_side_by_side(servers, tiny_prompts):
 def self_admg_server(model, tmp_path_factory, name: str, *method_flags: str, env: dict):
     """A self-admg server for a module's tests (a generator for a fixture to yield from)."""
     logs = tmp_path_factory.mktemp(name)
-    server = serve_load.VllmServer(model, *server_flags(logs), *method_flags, log_path=logs / "self-admg.log",
-                                   env=env)
+    server = serve_load.VllmServer(model, *server_flags(logs), *method_flags, log_path=logs / "self-admg.log", env=env)
     try:
         server.start()
         server.wait_until_healthy()
@@ -241,8 +275,14 @@ def self_admg_server(model, tmp_path_factory, name: str, *method_flags: str, env
 @pytest.fixture(scope="module")
 def faulty_server(tiny_model_path, mixed_options, tmp_path_factory):
     """A self-admg server whose every draft step raises: it must answer like the plain one."""
-    yield from self_admg_server(tiny_model_path, tmp_path_factory, "serve-faults", "--speculative-config",
-                                json.dumps(mixed_options), env={"VLLM_SELFSPEC_INJECT_FAULT": "draft@every"})
+    yield from self_admg_server(
+        tiny_model_path,
+        tmp_path_factory,
+        "serve-faults",
+        "--speculative-config",
+        json.dumps(mixed_options),
+        env={"VLLM_SELFSPEC_INJECT_FAULT": "draft@every"},
+    )
 
 
 def test_injected_fault_in_every_draft_keeps_the_server_answering(servers, faulty_server, tiny_prompts):
@@ -261,12 +301,19 @@ def test_injected_fault_in_every_draft_keeps_the_server_answering(servers, fault
 def default_server(tiny_model_path, tmp_path_factory):
     """Self-admg as `vllm serve MODEL --speculative-model self-admg` gives it (lookup, tenant
     history, the controller), without dev mode, with one injected fault on the way."""
-    yield from self_admg_server(tiny_model_path, tmp_path_factory, "serve-default", "--speculative-model",
-                                "self-admg", env={"VLLM_SELFSPEC_INJECT_FAULT": "lookup@40"})
+    yield from self_admg_server(
+        tiny_model_path,
+        tmp_path_factory,
+        "serve-default",
+        "--speculative-model",
+        "self-admg",
+        env={"VLLM_SELFSPEC_INJECT_FAULT": "lookup@40"},
+    )
 
 
-def test_default_options_serve_tenants_stop_strings_aborts_and_a_fault_like_plain(servers, default_server,
-                                                                                   tiny_prompts):
+def test_default_options_serve_tenants_stop_strings_aborts_and_a_fault_like_plain(
+    servers, default_server, tiny_prompts
+):
     """Two tenants and requests without a salt, in one batch and again (so that history has
     earlier outputs to draft from), stop strings, streams the client drops: every answer is
     the plain server's, a fault costs only a step's drafts, and the server is healthy after."""
@@ -275,16 +322,30 @@ def test_default_options_serve_tenants_stop_strings_aborts_and_a_fault_like_plai
     def ask(server, job):
         prompt, salt, stop = job
         extra = {**GREEDY["extra_body"], **({"cache_salt": salt} if salt else {})}
-        response = complete(server, prompt, **{**GREEDY, "max_tokens": 48, "extra_body": extra},
-                            **({"stop": [stop]} if stop else {}))
+        response = complete(
+            server, prompt, **{**GREEDY, "max_tokens": 48, "extra_body": extra}, **({"stop": [stop]} if stop else {})
+        )
         return response.choices[0].text, response.choices[0].finish_reason
 
     stops = {p: complete(plain, p, **GREEDY).choices[0].text[6:9] for p in tiny_prompts}
-    jobs = [(p, salt, stop) for p in tiny_prompts for salt in (None, "alice", "bob")
-            for stop in (None, stops[p] if stops[p].strip() else None)]
+    jobs = [
+        (p, salt, stop)
+        for p in tiny_prompts
+        for salt in (None, "alice", "bob")
+        for stop in (None, stops[p] if stops[p].strip() else None)
+    ]
     for _ in range(2):
-        dropped = [complete(default_server, p, stream=True, temperature=0, max_tokens=400,
-                            extra_body={"ignore_eos": True, "cache_salt": "mallory"}) for p in tiny_prompts[:2]]
+        dropped = [
+            complete(
+                default_server,
+                p,
+                stream=True,
+                temperature=0,
+                max_tokens=400,
+                extra_body={"ignore_eos": True, "cache_salt": "mallory"},
+            )
+            for p in tiny_prompts[:2]
+        ]
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda job: ask(default_server, job), jobs))
         for stream in dropped:
@@ -296,8 +357,10 @@ def test_default_options_serve_tenants_stop_strings_aborts_and_a_fault_like_plai
     assert wait_until(lambda: self_admg_metric(default_server, "faults_total") == 1)
     assert self_admg_metric(default_server, "drafting_disabled") == 0
     assert self_admg_metric(default_server, "draft_tokens_total") > 0
-    assert complete(default_server, tiny_prompts[0], **GREEDY).choices[0].text == \
-        complete(plain, tiny_prompts[0], **GREEDY).choices[0].text
+    assert (
+        complete(default_server, tiny_prompts[0], **GREEDY).choices[0].text
+        == complete(plain, tiny_prompts[0], **GREEDY).choices[0].text
+    )
 
 
 def test_logs_show_skip_counts_and_acceptance(servers):

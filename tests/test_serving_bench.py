@@ -15,8 +15,9 @@ from benchmarks.serving import LoadPoint, Run, Server
 
 
 def run(server, point, round_=0, workload="code", default_cores=False, slot=0, **result):
-    return Run(round_, Server(server, None, default_cores), workload, point, {"completed": 2, "failed": 0, **result},
-               slot=slot)
+    return Run(
+        round_, Server(server, None, default_cores), workload, point, {"completed": 2, "failed": 0, **result}, slot=slot
+    )
 
 
 def test_load_points_scale_the_plain_capacity_and_start_with_the_capped_unlimited_run():
@@ -54,7 +55,9 @@ def test_both_modes_fit_the_smallest_workload_with_two_waves_at_the_unlimited_ra
 def test_dataset_lines_are_what_the_custom_dataset_reads(tmp_path):
     path = serving.write_jsonl(tmp_path / "w" / "a.jsonl", ["p1", "p\n2"], [64, 40])
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        {"prompt": "p1", "output_tokens": 64}, {"prompt": "p\n2", "output_tokens": 40}]
+        {"prompt": "p1", "output_tokens": 64},
+        {"prompt": "p\n2", "output_tokens": 40},
+    ]
 
 
 def test_output_lengths_spread_around_the_limit_the_same_for_every_server():
@@ -71,8 +74,9 @@ def test_output_lengths_spread_around_the_limit_the_same_for_every_server():
 
 def test_bench_command_sends_the_file_in_order_as_it_is(tmp_path):
     server = SimpleNamespace(url=lambda: "http://127.0.0.1:9", model="/m")
-    command = serving.bench_command(server, "/m", tmp_path / "d.jsonl", LoadPoint("0.3C", 0.6), 12,
-                                    tmp_path, "x.json", 0.0)
+    command = serving.bench_command(
+        server, "/m", tmp_path / "d.jsonl", LoadPoint("0.3C", 0.6), 12, tmp_path, "x.json", 0.0
+    )
     flag = lambda name: command[command.index(name) + 1]  # noqa: E731
     assert command[1:3] == ["bench", "serve"]
     assert flag("--request-rate") == "0.6" and "--max-concurrency" not in command
@@ -83,8 +87,9 @@ def test_bench_command_sends_the_file_in_order_as_it_is(tmp_path):
 
 def test_every_flag_of_the_bench_command_is_one_vllm_bench_serve_knows(tmp_path):
     server = SimpleNamespace(url=lambda: "http://127.0.0.1:9", model="/m")
-    command = serving.bench_command(server, "/m", tmp_path / "d.jsonl", LoadPoint("max", math.inf, 16), 12,
-                                    tmp_path, "x.json", 0.0)
+    command = serving.bench_command(
+        server, "/m", tmp_path / "d.jsonl", LoadPoint("max", math.inf, 16), 12, tmp_path, "x.json", 0.0
+    )
     usage = subprocess.run([*command[:3], "--help=all"], capture_output=True, text=True, timeout=300).stdout
     unknown = [arg for arg in command[3:] if arg.startswith("--") and arg not in usage]
     assert usage and not unknown
@@ -92,10 +97,12 @@ def test_every_flag_of_the_bench_command_is_one_vllm_bench_serve_knows(tmp_path)
 
 def test_ratios_are_against_plain_of_the_same_round_with_their_range():
     point = LoadPoint("0.1C", 0.2)
-    runs = [run("plain", point, 0, output_throughput=100, mean_tpot_ms=50, p99_tpot_ms=80, p99_ttft_ms=200),
-            run("fast", point, 0, output_throughput=120, mean_tpot_ms=25, p99_tpot_ms=40, p99_ttft_ms=220),
-            run("plain", point, 1, output_throughput=50, mean_tpot_ms=100, p99_tpot_ms=80, p99_ttft_ms=100),
-            run("fast", point, 1, output_throughput=55, mean_tpot_ms=80, p99_tpot_ms=80, p99_ttft_ms=100)]
+    runs = [
+        run("plain", point, 0, output_throughput=100, mean_tpot_ms=50, p99_tpot_ms=80, p99_ttft_ms=200),
+        run("fast", point, 0, output_throughput=120, mean_tpot_ms=25, p99_tpot_ms=40, p99_ttft_ms=220),
+        run("plain", point, 1, output_throughput=50, mean_tpot_ms=100, p99_tpot_ms=80, p99_ttft_ms=100),
+        run("fast", point, 1, output_throughput=55, mean_tpot_ms=80, p99_tpot_ms=80, p99_ttft_ms=100),
+    ]
     rows = {r["server"]: r for r in serving.summarize(runs)}
     assert rows["fast"]["throughput_x"] == "1.10-1.20"
     assert rows["fast"]["mean_tpot_x"] == "1.25-2.00"  # plain's TPOT over fast's: above 1 is faster
@@ -107,10 +114,12 @@ def test_ratios_are_against_plain_of_the_same_round_with_their_range():
 def test_first_tokens_are_compared_request_by_request_with_the_same_prompts_on_plain():
     point = LoadPoint("0.1C", 0.2)
     lens = [100, 200, 300]
-    runs = [run("plain", point, 0, slot=0, ttfts=[1.0, 2.0, 4.0], input_lens=lens),
-            run("fast", point, 0, slot=1, ttfts=[0.5, 4.0, 2.4], input_lens=lens),
-            run("plain", point, 0, slot=2, ttfts=[1.0, 2.0, 2.0], input_lens=lens),
-            run("other", point, 0, slot=3, ttfts=[9.0, 9.0, 9.0], input_lens=[1, 2, 3])]
+    runs = [
+        run("plain", point, 0, slot=0, ttfts=[1.0, 2.0, 4.0], input_lens=lens),
+        run("fast", point, 0, slot=1, ttfts=[0.5, 4.0, 2.4], input_lens=lens),
+        run("plain", point, 0, slot=2, ttfts=[1.0, 2.0, 2.0], input_lens=lens),
+        run("other", point, 0, slot=3, ttfts=[9.0, 9.0, 9.0], input_lens=[1, 2, 3]),
+    ]
     rows = {r["server"]: r for r in serving.summarize(runs)}
     # Per request against the mean of the plain runs beside it, (1, 2, 3): 0.5, 2.0, 0.8; the
     # median. (Sorted TTFTs paired by rank would give 1.2, one plain run alone 0.6.)
@@ -123,8 +132,10 @@ def test_first_tokens_are_compared_request_by_request_with_the_same_prompts_on_p
 
 def test_identical_outputs_are_counted_against_plain_among_served_requests():
     point = LoadPoint("max", math.inf, 4)
-    runs = [run("plain", point, generated_texts=["a", "b", ""], errors=["", "", "timeout"]),
-            run("other", point, generated_texts=["a", "c", ""], errors=["", "", ""])]
+    runs = [
+        run("plain", point, generated_texts=["a", "b", ""], errors=["", "", "timeout"]),
+        run("other", point, generated_texts=["a", "c", ""], errors=["", "", ""]),
+    ]
     serving.mark_identical(runs)
     assert runs[1].identical_to_plain == 1  # the failed request's empty text is no match
     assert {r["server"]: r["identical_to_plain"] for r in serving.summarize(runs)}["other"] == "1/2"
@@ -132,9 +143,11 @@ def test_identical_outputs_are_counted_against_plain_among_served_requests():
 
 def test_runs_that_lost_requests_are_counted_but_not_compared():
     point = LoadPoint("0.1C", 0.2)
-    runs = [run("plain", point, output_throughput=100, mean_tpot_ms=50),
-            run("lossy", point, output_throughput=120, mean_tpot_ms=25, failed=1),
-            run("broken", point)]
+    runs = [
+        run("plain", point, output_throughput=100, mean_tpot_ms=50),
+        run("lossy", point, output_throughput=120, mean_tpot_ms=25, failed=1),
+        run("broken", point),
+    ]
     runs[2].result, runs[2].error = {}, "the server exited with 1"
     rows = {r["server"]: r for r in serving.summarize(runs)}
     assert rows["lossy"]["failed"] == 1 and rows["lossy"]["throughput_x"] == ""
@@ -143,8 +156,12 @@ def test_runs_that_lost_requests_are_counted_but_not_compared():
 
 def test_each_core_setting_is_compared_with_plain_on_the_same_cores():
     point = LoadPoint("max", math.inf, 4)
-    runs = [run("plain", point, output_throughput=150), run("plain", point, default_cores=True, output_throughput=100),
-            run("fast", point, output_throughput=300), run("fast", point, default_cores=True, output_throughput=110)]
+    runs = [
+        run("plain", point, output_throughput=150),
+        run("plain", point, default_cores=True, output_throughput=100),
+        run("fast", point, output_throughput=300),
+        run("fast", point, default_cores=True, output_throughput=110),
+    ]
     rows = {r["server"]: r["throughput_x"] for r in serving.summarize(runs)}
     assert rows == {"plain": "", "plain (default cores)": "0.67", "fast": "2.00", "fast (default cores)": "1.10"}
 
@@ -155,9 +172,19 @@ def test_the_unlimited_run_is_timed_out_by_the_floor_and_slow_rates_get_their_ar
 
 
 def test_plots_are_written_with_the_unlimited_rate_at_the_right(tmp_path):
-    rows = [{"workload": "code", "server": s, "load": load, "rate_req_s": r, "output_throughput": t,
-             "mean_tpot_ms": 10, "p99_tpot_ms": 20}
-            for s in ("plain", "x") for load, r, t in (("0.1C", 0.1, 5), ("0.3C", 0.3, 5), ("max", "inf", 50))]
+    rows = [
+        {
+            "workload": "code",
+            "server": s,
+            "load": load,
+            "rate_req_s": r,
+            "output_throughput": t,
+            "mean_tpot_ms": 10,
+            "p99_tpot_ms": 20,
+        }
+        for s in ("plain", "x")
+        for load, r, t in (("0.1C", 0.1, 5), ("0.3C", 0.3, 5), ("max", "inf", 50))
+    ]
     serving.plot(rows, ["code"], tmp_path)
     assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "tpot.png").stat().st_size > 0
 
@@ -177,21 +204,39 @@ def test_quick_mode_drops_draft_model_and_plain_runs_first():
     assert args.methods == ["suffix", "plain"]
     assert serving.parse_args(["--workloads", "multiturn", "code"]).workloads == ["code", "multiturn"]
     args.draft_path = None
-    assert [s.name for s in serving.servers(args)] == ["plain", "suffix", "plain (default cores)",
-                                                        "suffix (default cores)"]
+    assert [s.name for s in serving.servers(args)] == [
+        "plain",
+        "suffix",
+        "plain (default cores)",
+        "suffix (default cores)",
+    ]
 
 
 def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
     admg, ngram = Server("self-admg", {"method": "self-admg"}), Server("ngram", {"method": "ngram"})
-    assert admg.args([]) == ["--speculative-config", '{"method": "self-admg"}',
-                             "--worker-extension-cls", serving.PROPOSER_REPORT]
+    assert admg.args([]) == [
+        "--speculative-config",
+        '{"method": "self-admg"}',
+        "--worker-extension-cls",
+        serving.PROPOSER_REPORT,
+    ]
     assert admg.env("0-1")["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_SERVER_DEV_MODE" not in ngram.env("0-1")
     assert serving.proposer_state(object(), ngram) is None
     before = dict.fromkeys(serving.PROPOSER_COUNTERS, 0) | {"probe_seconds": 1.0, "draft_tokens": 10}
-    after = before | {"probe_seconds": 3.5, "draft_tokens": 40, "draft_seconds": 0.25, "propose_calls": 200,
-                      "propose_seconds": 0.5}
+    after = before | {
+        "probe_seconds": 3.5,
+        "draft_tokens": 40,
+        "draft_seconds": 0.25,
+        "propose_calls": 200,
+        "propose_seconds": 0.5,
+    }
     assert serving.spent(before, after) == dict.fromkeys(serving.PROPOSER_COUNTERS, 0) | {
-        "probe_seconds": 2.5, "draft_tokens": 30, "draft_seconds": 0.25, "propose_calls": 200, "propose_seconds": 0.5}
+        "probe_seconds": 2.5,
+        "draft_tokens": 30,
+        "draft_seconds": 0.25,
+        "propose_calls": 200,
+        "propose_seconds": 0.5,
+    }
     assert serving.spent(None, after) is None
     point = LoadPoint("max", math.inf, 4)
     runs = [run("plain", point), run("self-admg", point), run("self-admg", point, round_=1)]
@@ -242,15 +287,25 @@ def test_with_plain_between_every_method_has_plain_beside_it_and_rounds_reverse(
     assert names(serving.round_order([plain, a, b], 1, True)) == ["plain", "b", "plain", "a", "plain"]
     slow_plain, slow_a = Server("plain", None, True), Server("a", {"method": "a"}, True)
     assert names(serving.round_order([plain, a, slow_plain, slow_a], 0, True)) == [
-        "plain", "a", "plain", "plain (default cores)", "a (default cores)", "plain (default cores)"]
+        "plain",
+        "a",
+        "plain",
+        "plain (default cores)",
+        "a (default cores)",
+        "plain (default cores)",
+    ]
     assert names(serving.round_order([plain], 0, True)) == ["plain"]
 
 
 def test_a_method_is_compared_with_the_mean_of_the_plain_runs_beside_it():
     point = LoadPoint("max", math.inf, 4)
-    runs = [run("plain", point, output_throughput=100), run("a", point, output_throughput=120),
-            run("plain", point, output_throughput=140), run("b", point, output_throughput=70),
-            run("plain", point, output_throughput=60)]
+    runs = [
+        run("plain", point, output_throughput=100),
+        run("a", point, output_throughput=120),
+        run("plain", point, output_throughput=140),
+        run("b", point, output_throughput=70),
+        run("plain", point, output_throughput=60),
+    ]
     for slot, r in enumerate(runs):
         r.slot = slot
     rows = {r["server"]: r["throughput_x"] for r in serving.summarize(runs)}
@@ -272,8 +327,12 @@ def test_a_results_folder_can_be_summarized_again_from_what_it_saved(tmp_path):
     (raw / "r1-2-suffix-chat-0.3C-error.txt").write_text("TimeoutExpired: too slow")
     (raw / "r1-multiturn-note.txt").write_text("not a run")
     runs = {(r.round, r.slot, r.server.name, r.point.label): r for r in serving.runs_from_folder(tmp_path)}
-    assert set(runs) == {(0, 0, "plain", "0.3C"), (0, 0, "plain", "max"), (0, 1, "self-admg (default cores)", "0.3C"),
-                         (1, 2, "suffix", "0.3C")}
+    assert set(runs) == {
+        (0, 0, "plain", "0.3C"),
+        (0, 0, "plain", "max"),
+        (0, 1, "self-admg (default cores)", "0.3C"),
+        (1, 2, "suffix", "0.3C"),
+    }
     admg = runs[0, 1, "self-admg (default cores)", "0.3C"]
     assert admg.server.reports_proposer and admg.server.default_cores and admg.proposer == {"probe_seconds": 1.5}
     assert admg.workload == "chat" and admg.point.rate == 0.5 and admg.clean
@@ -281,8 +340,15 @@ def test_a_results_folder_can_be_summarized_again_from_what_it_saved(tmp_path):
     failed = runs[1, 2, "suffix", "0.3C"]  # no result of its own: its load point's rate, its error
     assert failed.error == "TimeoutExpired: too slow" and failed.point.rate == 0.5 and not failed.clean
     # What a run saves beside vLLM's JSON is what the folder is read back from.
-    again = Run(0, Server("self-admg", {"method": "self-admg"}), "chat", LoadPoint("0.3C", 0.5), {},
-                error="server exited", proposer={"probe_seconds": 2.0})
+    again = Run(
+        0,
+        Server("self-admg", {"method": "self-admg"}),
+        "chat",
+        LoadPoint("0.3C", 0.5),
+        {},
+        error="server exited",
+        proposer={"probe_seconds": 2.0},
+    )
     serving.save_run_notes(again, raw, "r2-0-self-admg-chat-0.3C")
     back = next(r for r in serving.runs_from_folder(tmp_path) if r.round == 2)
     assert (back.error, back.proposer, back.server.method) == ("server exited", {"probe_seconds": 2.0}, "self-admg")
@@ -351,8 +417,12 @@ def test_the_step_split_reads_step_times_from_the_requests_served_alone():
     from benchmarks.diagnostics import step_split
 
     # Requests 0 and 1 overlap; 2 runs alone and streams 3 chunks of 2 tokens, 20 ms apart.
-    result = {"start_times": [0.0, 0.5, 5.0], "latencies": [1.0, 1.0, 0.1],
-              "itls": [[0.05] * 9, [0.07] * 9, [0.02, 0.02]], "output_lens": [10, 10, 6]}
+    result = {
+        "start_times": [0.0, 0.5, 5.0],
+        "latencies": [1.0, 1.0, 0.1],
+        "itls": [[0.05] * 9, [0.07] * 9, [0.02, 0.02]],
+        "output_lens": [10, 10, 6],
+    }
     assert step_split.alone(result["start_times"], result["latencies"]) == [2]
     found = step_split.split(result)
     assert (found.requests_alone, found.requests) == (1, 3)
@@ -363,10 +433,24 @@ def test_the_step_split_reads_step_times_from_the_requests_served_alone():
 def test_verdicts_say_faster_or_slower_only_beyond_plains_own_spread():
     from benchmarks.serving import verdicts
 
-    rows = [{"workload": "code", "load": "max", "server": "plain", "throughput_x": "0.97-1.03",
-             "mean_tpot_x": "0.98-1.02", "p99_ttft_x": "0.95-1.05"},
-            {"workload": "code", "load": "max", "server": "self-admg", "throughput_x": "1.05-1.10",
-             "mean_tpot_x": "0.99-1.01", "p99_ttft_x": "1.10-1.20"}]
+    rows = [
+        {
+            "workload": "code",
+            "load": "max",
+            "server": "plain",
+            "throughput_x": "0.97-1.03",
+            "mean_tpot_x": "0.98-1.02",
+            "p99_ttft_x": "0.95-1.05",
+        },
+        {
+            "workload": "code",
+            "load": "max",
+            "server": "self-admg",
+            "throughput_x": "1.05-1.10",
+            "mean_tpot_x": "0.99-1.01",
+            "p99_ttft_x": "1.10-1.20",
+        },
+    ]
     (line,) = verdicts(rows)
     assert "throughput 1.05-1.10 (faster" in line and "mean TPOT 0.99-1.01 (level" in line
     assert "p99 first token 1.10-1.20 (slower" in line  # a time: above 1 is later

@@ -12,7 +12,7 @@ from vllm_selfspec.options import PROPOSER_PATH, SelfAdmgConfigError
 
 # A patch that fails half-way through the plugin's start-up (after the front door, the
 # scheduler's lookahead and the tenant patch are in place), in a fresh process.
-FAILING_START = r'''
+FAILING_START = r"""
 import json, logging, sys, typing
 import vllm_selfspec.vllm_compat.sampling_params as sampling_params
 
@@ -40,12 +40,13 @@ print("RESULT " + json.dumps(dict(
     patched=sorted(p.target for p in applied()),
     method_choices=list(typing.get_args(SpeculativeConfig.__dataclass_fields__["method"].type.__args__[0])
                         if hasattr(SpeculativeConfig.__dataclass_fields__["method"].type, "__args__") else []))))
-'''
+"""
 
 
 def test_a_failed_patch_rolls_back_and_refuses_only_self_admg(tiny_model_path):
-    run = subprocess.run([sys.executable, "-c", FAILING_START, str(tiny_model_path)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", FAILING_START, str(tiny_model_path)], capture_output=True, text=True, timeout=300
+    )
     line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, run.stderr[-3000:]
     result = json.loads(line.removeprefix("RESULT "))
@@ -88,11 +89,16 @@ def test_the_proposers_class_path_is_checked_like_self_admg(tiny_model_path):
 
     custom = {"method": "custom_class", "model": PROPOSER_PATH}
     with pytest.raises(SelfAdmgConfigError, match="attention_threshold"):
-        EngineArgs(model=str(tiny_model_path), dtype="float32", max_model_len=512,
-                   speculative_config={**custom, "attention_threshold": 5.0}).create_engine_config()
+        EngineArgs(
+            model=str(tiny_model_path),
+            dtype="float32",
+            max_model_len=512,
+            speculative_config={**custom, "attention_threshold": 5.0},
+        ).create_engine_config()
     with pytest.raises(SelfAdmgConfigError, match="does not support LoRA"):
-        EngineArgs(model=str(tiny_model_path), dtype="float32", max_model_len=512, enable_lora=True,
-                   speculative_config=custom).create_engine_config()
+        EngineArgs(
+            model=str(tiny_model_path), dtype="float32", max_model_len=512, enable_lora=True, speculative_config=custom
+        ).create_engine_config()
 
 
 def test_the_proposer_refuses_to_run_without_its_patches_or_its_front_door(tiny_model_path, monkeypatch):

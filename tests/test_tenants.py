@@ -25,8 +25,9 @@ def generate(llm, prompt_ids, salt=None, max_tokens=48, **params):
     prompt = {"prompt_token_ids": list(prompt_ids)}
     if salt is not None:
         prompt["cache_salt"] = salt
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params),
-                       use_tqdm=False)
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params), use_tqdm=False
+    )
     return list(out[0].outputs[0].token_ids)
 
 
@@ -89,9 +90,10 @@ def test_a_tenant_admitted_beside_a_request_at_max_model_len_stays_closed(llm, t
     shared_before = pool_lengths(llm).get(None, 0)
     assert shared_before > 0
     before = proposer_report(llm)["history_tokens"]
-    params = [SamplingParams(temperature=0, max_tokens=ENGINE_DEFAULTS["max_model_len"] - at_edge_len,
-                             ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=ENGINE_DEFAULTS["max_model_len"] - at_edge_len, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+    ]
     outputs = llm.generate([at_edge, salted], params, use_tqdm=False)
     assert len(outputs[1].outputs[0].token_ids) == 48
     # carol has no earlier outputs: any history draft would have come from the shared pool.

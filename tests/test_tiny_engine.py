@@ -36,18 +36,36 @@ def plain_ids(plain_tiny, tiny_prompt_ids):
 
 @pytest.fixture(scope="module")
 def admg_none(tiny_model_path):
-    llm = make_llm(tiny_model_path, speculative_config={
-        "method": "self-admg", "num_speculative_tokens": 3, **SELF_DRAFTS_ONLY,
-        "attention_threshold": 1.0, "mlp_threshold": 1.0, "draft_exit_threshold": 0.0})
+    llm = make_llm(
+        tiny_model_path,
+        speculative_config={
+            "method": "self-admg",
+            "num_speculative_tokens": 3,
+            **SELF_DRAFTS_ONLY,
+            "attention_threshold": 1.0,
+            "mlp_threshold": 1.0,
+            "draft_exit_threshold": 0.0,
+        },
+    )
     yield llm
     close_llm(llm)
 
 
 @pytest.fixture(scope="module")
 def admg_all(tiny_model_path):
-    llm = make_llm(tiny_model_path, speculative_config={
-        "method": "self-admg", "num_speculative_tokens": 2, **SELF_DRAFTS_ONLY, "attention_threshold": -1.0,
-        "mlp_threshold": -1.0, "keep_edge_layers": 0, "fill_gaps": 0, "draft_exit_threshold": 0.0})
+    llm = make_llm(
+        tiny_model_path,
+        speculative_config={
+            "method": "self-admg",
+            "num_speculative_tokens": 2,
+            **SELF_DRAFTS_ONLY,
+            "attention_threshold": -1.0,
+            "mlp_threshold": -1.0,
+            "keep_edge_layers": 0,
+            "fill_gaps": 0,
+            "draft_exit_threshold": 0.0,
+        },
+    )
     yield llm
     close_llm(llm)
 
@@ -67,8 +85,7 @@ def test_skip_nothing_accepts_every_draft(admg_none, tiny_prompt_ids, plain_ids)
     assert report["warmup_seconds"] > 0 and report["draft_tokens"] == after["num_draft_tokens"]
 
 
-def test_default_window_measures_the_last_prompt_tokens(admg_none, tiny_model_path, tiny_prompt_ids,
-                                                        tiny_reference):
+def test_default_window_measures_the_last_prompt_tokens(admg_none, tiny_model_path, tiny_prompt_ids, tiny_reference):
     """By default the probe measures each prompt's last `stats_window` tokens only (reading
     the rest from the KV cache): the same numbers as transformers over those tokens, and not
     the whole prompt's."""
@@ -89,15 +106,17 @@ def test_skip_everything_is_still_exact(admg_all, tiny_prompt_ids, plain_ids):
     assert token_ids(generate(admg_all, tiny_prompt_ids)) == plain_ids
     report = proposer_report(admg_all)
     assert report["measurements"] and all(
-        all(m["skip_attention"]) and all(m["skip_mlp"]) for m in report["measurements"])
+        all(m["skip_attention"]) and all(m["skip_mlp"]) for m in report["measurements"]
+    )
     counters = spec_counters(admg_all)
     assert counters["num_accepted_tokens"] < counters["num_draft_tokens"]
 
 
 def test_no_extra_kv_cache(plain_tiny, admg_none):
     def kv_bytes(llm):
-        return llm.collective_rpc(lambda worker: sum(
-            t.numel() * t.element_size() for t in worker.model_runner.kv_caches))[0]
+        return llm.collective_rpc(
+            lambda worker: sum(t.numel() * t.element_size() for t in worker.model_runner.kv_caches)
+        )[0]
 
     assert kv_bytes(admg_none) == kv_bytes(plain_tiny) > 0
 
@@ -213,9 +232,18 @@ def test_a_wait_for_requests_is_not_charged_to_the_next_step(admg_mixed, tiny_pr
 def test_compiled_target_engine(tiny_model_path, tiny_prompt_ids, plain_ids):
     """vLLM's default (compiled) engine: the target runs its compiled graph, the draft runs the
     same modules eagerly beside it. Skipping nothing, every draft must be accepted."""
-    llm = make_llm(tiny_model_path, enforce_eager=False, speculative_config={
-        "method": "self-admg", "num_speculative_tokens": 3, **SELF_DRAFTS_ONLY, "attention_threshold": 1.0,
-        "mlp_threshold": 1.0, "draft_exit_threshold": 0.0})
+    llm = make_llm(
+        tiny_model_path,
+        enforce_eager=False,
+        speculative_config={
+            "method": "self-admg",
+            "num_speculative_tokens": 3,
+            **SELF_DRAFTS_ONLY,
+            "attention_threshold": 1.0,
+            "mlp_threshold": 1.0,
+            "draft_exit_threshold": 0.0,
+        },
+    )
     try:
         from vllm.config import CompilationMode
 
@@ -239,10 +267,13 @@ def test_seeded_request_with_chunked_prefill(admg_mixed, tiny_prompt_ids):
     alone = generate(admg_mixed, [long_prompt], seeded)
     behind = admg_mixed.generate(
         [{"prompt_token_ids": ids} for ids in (tiny_prompt_ids[4], tiny_prompt_ids[2], long_prompt)],
-        [greedy, greedy, seeded], use_tqdm=False)
+        [greedy, greedy, seeded],
+        use_tqdm=False,
+    )
     assert token_ids(alone) == token_ids(behind[-1:])
-    other_seed = generate(admg_mixed, [long_prompt], SamplingParams(
-        temperature=1.0, seed=4321, max_tokens=24, ignore_eos=True))
+    other_seed = generate(
+        admg_mixed, [long_prompt], SamplingParams(temperature=1.0, seed=4321, max_tokens=24, ignore_eos=True)
+    )
     assert token_ids(other_seed) != token_ids(alone)
 
 

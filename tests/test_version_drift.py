@@ -13,7 +13,7 @@ from conftest import token_ids
 
 pytestmark = pytest.mark.engine
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, sys
 import vllm
 vllm.__version__ = "0.33.0"
@@ -31,20 +31,26 @@ try:
 except Exception as err:
     refused = f"{type(err).__name__}: {err}"
 print("RESULT " + json.dumps(dict(ids=ids, patched=[p.target for p in applied()], refused=refused)))
-'''
+"""
 
 
 def test_another_vllm_version_leaves_plain_vllm_alone(tiny_model_path, tiny_prompts, plain_tiny):
     from vllm import SamplingParams
 
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_path), json.dumps(tiny_prompts)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_model_path), json.dumps(tiny_prompts)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, run.stderr[-3000:]
     result = json.loads(line.removeprefix("RESULT "))
-    expected = token_ids(plain_tiny.generate(tiny_prompts, SamplingParams(temperature=0, max_tokens=16,
-                                                                          ignore_eos=True)))
+    expected = token_ids(
+        plain_tiny.generate(tiny_prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    )
     assert result["ids"] == expected
     # Nothing of vLLM is changed but the guard that refuses self-admg (and its one-line errors).
     assert sorted(result["patched"]) == ["sys.excepthook", "vllm.engine.arg_utils.EngineArgs.create_speculative_config"]

@@ -29,18 +29,27 @@ def build_tiny_llama(path: Path, num_layers: int = 4, seed: int = 0) -> Path:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(fast), hidden_size=128, intermediate_size=256,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=1024, initializer_range=0.15, tie_word_embeddings=False,
-        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, torch_dtype="float32",
+        vocab_size=len(fast),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)

@@ -62,8 +62,8 @@ def fill_gaps_rule(skip: Sequence[bool], max_gap: int) -> list[bool]:
     for i in range(n):
         if skip[i]:
             continue
-        before = any(skip[max(0, i - max_gap):i])
-        after = any(skip[i + 1:min(n, i + 1 + max_gap)])
+        before = any(skip[max(0, i - max_gap) : i])
+        after = any(skip[i + 1 : min(n, i + 1 + max_gap)])
         out[i] = before and after
     return out
 
@@ -77,17 +77,22 @@ def keep_edge_layers_rule(skip: Sequence[bool], num_edge_layers: int) -> list[bo
     return out
 
 
-def select_sublayers(similarity: Sequence[float], threshold: float,
-                     options: SelfAdmgOptions) -> list[bool]:
+def select_sublayers(similarity: Sequence[float], threshold: float, options: SelfAdmgOptions) -> list[bool]:
     """All rules for one kind of sublayer."""
     skip = threshold_rule(similarity, threshold)
     skip = fill_gaps_rule(skip, options.fill_gaps)
     return keep_edge_layers_rule(skip, options.keep_edge_layers)
 
 
-def budget_rule(attention_similarity: Sequence[float], mlp_similarity: Sequence[float],
-                attention_bytes: float, mlp_bytes: float, budget: float,
-                skippable_attention: Sequence[bool], skippable_mlp: Sequence[bool]) -> tuple[list[bool], list[bool]]:
+def budget_rule(
+    attention_similarity: Sequence[float],
+    mlp_similarity: Sequence[float],
+    attention_bytes: float,
+    mlp_bytes: float,
+    budget: float,
+    skippable_attention: Sequence[bool],
+    skippable_mlp: Sequence[bool],
+) -> tuple[list[bool], list[bool]]:
     """Skip the sublayers that change the stream least per weight byte saved (1 - similarity
     over bytes), until `budget` of all the sublayers' bytes is saved: a fractional knapsack.
     A fixed threshold means a different draft cost on every model (similarities are inflated
@@ -95,10 +100,14 @@ def budget_rule(attention_similarity: Sequence[float], mlp_similarity: Sequence[
     if attention_bytes <= 0 or mlp_bytes <= 0:
         raise ValueError(f"sublayer weight bytes must be positive, got {attention_bytes}, {mlp_bytes}")
     n = len(attention_similarity)
-    candidates = [((1 - float(attention_similarity[i])) / attention_bytes, "attention", i, attention_bytes)
-                  for i in range(n) if skippable_attention[i]]
-    candidates += [((1 - float(mlp_similarity[i])) / mlp_bytes, "mlp", i, mlp_bytes)
-                   for i in range(n) if skippable_mlp[i]]
+    candidates = [
+        ((1 - float(attention_similarity[i])) / attention_bytes, "attention", i, attention_bytes)
+        for i in range(n)
+        if skippable_attention[i]
+    ]
+    candidates += [
+        ((1 - float(mlp_similarity[i])) / mlp_bytes, "mlp", i, mlp_bytes) for i in range(n) if skippable_mlp[i]
+    ]
     skip = {"attention": [False] * n, "mlp": [False] * n}
     saved, target = 0.0, budget * n * (attention_bytes + mlp_bytes)
     for _, kind, i, cost in sorted(candidates):
@@ -109,8 +118,12 @@ def budget_rule(attention_similarity: Sequence[float], mlp_similarity: Sequence[
     return skip["attention"], skip["mlp"]
 
 
-def select_skip_mask(attention_similarity: Sequence[float], mlp_similarity: Sequence[float],
-                     options: SelfAdmgOptions, sublayer_bytes: tuple[float, float] | None = None) -> SkipMask:
+def select_skip_mask(
+    attention_similarity: Sequence[float],
+    mlp_similarity: Sequence[float],
+    options: SelfAdmgOptions,
+    sublayer_bytes: tuple[float, float] | None = None,
+) -> SkipMask:
     """One sequence's draft: the sublayers its prompt's statistics say it can skip.
     `sublayer_bytes` (attention, MLP weight bytes per layer) is needed for `skip_budget`."""
     if len(attention_similarity) != len(mlp_similarity):
@@ -120,9 +133,14 @@ def select_skip_mask(attention_similarity: Sequence[float], mlp_similarity: Sequ
             raise ValueError("skip_budget needs the sublayers' weight bytes")
         n = len(attention_similarity)
         edges = keep_edge_layers_rule([True] * n, options.keep_edge_layers)
-        attention, mlp = budget_rule(attention_similarity, mlp_similarity, *sublayer_bytes,
-                                     options.skip_budget, edges,
-                                     edges if options.skips_mlp else [False] * n)
+        attention, mlp = budget_rule(
+            attention_similarity,
+            mlp_similarity,
+            *sublayer_bytes,
+            options.skip_budget,
+            edges,
+            edges if options.skips_mlp else [False] * n,
+        )
         return SkipMask(tuple(attention), tuple(mlp))
     attention = select_sublayers(attention_similarity, options.attention_threshold, options)
     if options.skips_mlp:

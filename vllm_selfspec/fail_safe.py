@@ -74,8 +74,12 @@ class FailSafe:
         failed, off, *agreed = self.max_over_ranks([int(not ok), int(self.switch_off_wanted), *votes])
         if off:
             self.disabled = True
-            logger.error("self-admg switched off after drafting faults (%d on this rank, %d in a row): "
-                         "serving on as plain decoding", self.faults, self.consecutive)
+            logger.error(
+                "self-admg switched off after drafting faults (%d on this rank, %d in a row): "
+                "serving on as plain decoding",
+                self.faults,
+                self.consecutive,
+            )
             return False, agreed
         if failed:
             self.steps_skipped += 1
@@ -102,8 +106,12 @@ class FailSafe:
         if self.disabled:  # already serving as plain decoding: a clean-up fault needs no alarm
             logger.debug("self-admg fault after switch-off: %s", kind)
             return
-        logger.warning("self-admg drafting fault (%d so far), this step runs without drafts: %s",
-                       self.faults, kind, exc_info=err if first_of_kind else None)
+        logger.warning(
+            "self-admg drafting fault (%d so far), this step runs without drafts: %s",
+            self.faults,
+            kind,
+            exc_info=err if first_of_kind else None,
+        )
         if self.consecutive >= MAX_CONSECUTIVE_FAULTS or self.faults >= MAX_FAULTS:
             self.switch_off_wanted = True
 
@@ -117,8 +125,10 @@ def _parse(spec: str) -> dict[str, tuple[int | None, int | None]]:
         if stage not in STAGES:
             raise ValueError(f"{INJECT_ENV}: unknown stage {stage!r}; stages are {list(STAGES)}")
         if rank and (not rank.startswith("rank") or stage not in LOCAL_STAGES):
-            raise ValueError(f"{INJECT_ENV}: {item!r}: a fault on one rank is written STAGE@N@rankR, for the "
-                             f"stages before the ranks' agreement {list(LOCAL_STAGES)}")
+            raise ValueError(
+                f"{INJECT_ENV}: {item!r}: a fault on one rank is written STAGE@N@rankR, for the "
+                f"stages before the ranks' agreement {list(LOCAL_STAGES)}"
+            )
         points[stage] = (None if when in ("", "every") else int(when), int(rank[4:]) if rank else None)
     return points
 

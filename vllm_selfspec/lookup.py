@@ -51,8 +51,9 @@ class LookupDraft:
 NO_DRAFT = LookupDraft(np.zeros(0, dtype=np.int64))
 
 
-def suffix_draft(context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None,
-                 max_match: int = 24, min_prob: float = 0.1) -> LookupDraft:
+def suffix_draft(
+    context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None, max_match: int = 24, min_prob: float = 0.1
+) -> LookupDraft:
     """The best draft of up to `max_tokens` tokens for `context`, from the earlier occurrences of
     its last tokens in `context` itself (corpus None) or in `corpus` (earlier outputs joined by
     SEPARATOR). One pass over the corpus, then work that grows with the occurrences found."""
@@ -262,8 +263,9 @@ class TenantHistories:
                 del self.pools[oldest_tenant]
 
 
-def lookup_draft(context: np.ndarray, max_tokens: int, max_match: int,
-                 history: OutputHistory | None) -> tuple[DraftSource, LookupDraft]:
+def lookup_draft(
+    context: np.ndarray, max_tokens: int, max_match: int, history: OutputHistory | None
+) -> tuple[DraftSource, LookupDraft]:
     """The better of the context's own draft and the history's, by score (own on ties), with
     its source."""
     own = suffix_draft(context, max_tokens, max_match=max_match)

@@ -71,8 +71,9 @@ class MetricsPublisher:
         holds it weakly, so it never keeps a proposer, and its model, alive)."""
         if self.path is None:
             return
-        threading.Thread(target=self._run, args=(weakref.ref(source), snapshot), name="self-admg-metrics",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._run, args=(weakref.ref(source), snapshot), name="self-admg-metrics", daemon=True
+        ).start()
 
     def _run(self, source: weakref.ref, snapshot: Callable[[object], dict]) -> None:
         while (alive := source()) is not None:
@@ -111,7 +112,8 @@ class SelfAdmgCollector:
         for name, (kind, help_text) in METRICS.items():
             labels = ["rank", "source"] if name == "draft_tokens" else ["rank"]
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                PREFIX + name, help_text, labels=labels)
+                PREFIX + name, help_text, labels=labels
+            )
             for snapshot in snapshots:
                 value, rank = snapshot.get(name), str(snapshot.get("rank", 0))
                 if isinstance(value, dict):
@@ -135,8 +137,10 @@ def serve_on_prometheus() -> None:
 
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Several API server processes: vLLM then serves only what they write to that directory.
-        logger.warning("self-admg's counters are not on /metrics with several API server processes "
-                       "(PROMETHEUS_MULTIPROC_DIR is set); vLLM's own spec-decode counters are")
+        logger.warning(
+            "self-admg's counters are not on /metrics with several API server processes "
+            "(PROMETHEUS_MULTIPROC_DIR is set); vLLM's own spec-decode counters are"
+        )
         return
     directory = tempfile.mkdtemp(prefix="vllm-selfspec-metrics-")  # private to this user (0700)
     atexit.register(shutil.rmtree, directory, ignore_errors=True)

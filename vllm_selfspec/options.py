@@ -76,13 +76,18 @@ class OptionSpec:
         if isinstance(value, bool) or not isinstance(value, ok_types):
             raise SelfAdmgConfigError(f"self-admg option {name!r} must be {self.allowed()}, got {value!r}")
         if not (self.low <= value <= self.high) or (isinstance(value, float) and math.isnan(value)):
-            raise SelfAdmgConfigError(
-                f"self-admg option {name!r} must be in [{self.low}, {self.high}], got {value!r}")
+            raise SelfAdmgConfigError(f"self-admg option {name!r} must be in [{self.low}, {self.high}], got {value!r}")
         return self.kind(value)
 
 
-def option(default: Any, help: str, low: float | None = None, high: float | None = None,
-           choices: tuple = (), experimental: bool = False):
+def option(
+    default: Any,
+    help: str,
+    low: float | None = None,
+    high: float | None = None,
+    choices: tuple = (),
+    experimental: bool = False,
+):
     spec = OptionSpec(help, type(default), low, high, choices, experimental)
     return field(default=default, metadata={"spec": spec})
 
@@ -98,46 +103,75 @@ class SelfAdmgOptions:
     settings tried on SmolLM2-135M-Instruct, HumanEval, batch 1 (docs/results.md)."""
 
     skip: str = option(
-        "attention+mlp", "which sublayers a draft may skip: 'attention' (the paper) or both",
-        choices=("attention", "attention+mlp"))
+        "attention+mlp",
+        "which sublayers a draft may skip: 'attention' (the paper) or both",
+        choices=("attention", "attention+mlp"),
+    )
     attention_threshold: float = option(
-        0.99, "skip an attention sublayer when the prompt's mean cosine similarity of the residual "
-              "stream before and after it is above this", -1.0, 1.0)
-    mlp_threshold: float = option(
-        0.975, "the same for MLP sublayers (with skip 'attention+mlp')", -1.0, 1.0)
+        0.99,
+        "skip an attention sublayer when the prompt's mean cosine similarity of the residual "
+        "stream before and after it is above this",
+        -1.0,
+        1.0,
+    )
+    mlp_threshold: float = option(0.975, "the same for MLP sublayers (with skip 'attention+mlp')", -1.0, 1.0)
     keep_edge_layers: int = option(
-        1, "structural rule: skip nothing in the first and the last N decoder layers (0 = off)",
-        0, 1_000_000)
+        1, "structural rule: skip nothing in the first and the last N decoder layers (0 = off)", 0, 1_000_000
+    )
     fill_gaps: int = option(
-        1, "structural rule: also skip a kept sublayer whose same-kind neighbours within N layers "
-           "on both sides are skipped (0 = off)", 0, 1_000_000)
+        1,
+        "structural rule: also skip a kept sublayer whose same-kind neighbours within N layers "
+        "on both sides are skipped (0 = off)",
+        0,
+        1_000_000,
+    )
     draft_exit_threshold: float = option(
-        0.5, "stop a sequence's draft when the draft's top-1 probability falls below this "
-             "(0 = always draft K tokens)", 0.0, 1.0)
+        0.5,
+        "stop a sequence's draft when the draft's top-1 probability falls below this (0 = always draft K tokens)",
+        0.0,
+        1.0,
+    )
     # Not the paper's whole prompt by default: the probe runs eagerly, and over a 1000-token
     # prompt it costs more than the drafts it enables save on a CPU.
     stats_window: int = option(
-        32, "measure the similarities over the prompt's last N tokens (0 = the whole prompt, as "
-            "in the paper)", 0, 1_000_000)
+        32,
+        "measure the similarities over the prompt's last N tokens (0 = the whole prompt, as in the paper)",
+        0,
+        1_000_000,
+    )
     lookup: bool = option(
-        True, "also draft by lookup: continue the context as its earlier occurrences did, and "
-              "self-draft where lookup offers nothing")
+        True,
+        "also draft by lookup: continue the context as its earlier occurrences did, and "
+        "self-draft where lookup offers nothing",
+    )
     # Bounded so that a lookup in it stays well under a millisecond per row and step.
     lookup_history: int = option(
-        65536, "look up in the outputs of earlier requests with the same cache_salt too, keeping "
-               "the last N tokens over all tenants (0 = off)", 0, 262_144)
+        65536,
+        "look up in the outputs of earlier requests with the same cache_salt too, keeping "
+        "the last N tokens over all tenants (0 = off)",
+        0,
+        262_144,
+    )
     adaptive: bool = option(
-        True, "draft only as many tokens as measured step costs and acceptance say pay, down to "
-              "none (false = always K)")
+        True, "draft only as many tokens as measured step costs and acceptance say pay, down to none (false = always K)"
+    )
     skip_budget: float = option(
-        0.0, "instead of the thresholds: skip the sublayers that change the stream least per "
-             "weight byte until this share of the layers' bytes is saved (0 = thresholds)",
-        0.0, 0.95, experimental=True)
+        0.0,
+        "instead of the thresholds: skip the sublayers that change the stream least per "
+        "weight byte until this share of the layers' bytes is saved (0 = thresholds)",
+        0.0,
+        0.95,
+        experimental=True,
+    )
     draft_vocab: int = option(
-        32768, "the draft's LM head scores only the first N token ids plus those in the "
-               "sequence's context (0 = the whole vocabulary)", 0, 1_000_000, experimental=True)
-    lookup_max_match: int = option(
-        24, "lookup matches at most the context's last N tokens", 1, 64, experimental=True)
+        32768,
+        "the draft's LM head scores only the first N token ids plus those in the "
+        "sequence's context (0 = the whole vocabulary)",
+        0,
+        1_000_000,
+        experimental=True,
+    )
+    lookup_max_match: int = option(24, "lookup matches at most the context's last N tokens", 1, 64, experimental=True)
 
     @property
     def skips_mlp(self) -> bool:
@@ -157,21 +191,30 @@ DEFAULTS = SelfAdmgOptions()
 DEPRECATED = {
     "skip_budget": (f"{EXPERIMENTAL_KEY}.skip_budget", lambda v: {EXPERIMENTAL_KEY: {"skip_budget": v}}),
     "draft_vocab": (f"{EXPERIMENTAL_KEY}.draft_vocab", lambda v: {EXPERIMENTAL_KEY: {"draft_vocab": v}}),
-    "lookup_ngram": ("lookup (false for 0) and experimental.lookup_max_match",
-                     lambda v: {"lookup": False} if v == 0 else {EXPERIMENTAL_KEY: {"lookup_max_match": v}}),
+    "lookup_ngram": (
+        "lookup (false for 0) and experimental.lookup_max_match",
+        lambda v: {"lookup": False} if v == 0 else {EXPERIMENTAL_KEY: {"lookup_max_match": v}},
+    ),
 }
 _deprecation_warned: set[str] = set()
 
 
 def describe_options(experimental: bool = False) -> str:
     """One line per option with its default and what it accepts, for error messages."""
-    lines = [f"  {name} (default {getattr(DEFAULTS, name)!r}, {spec.allowed()}): {spec.help}"
-             for name, spec in SPECS.items() if spec.experimental == experimental]
+    lines = [
+        f"  {name} (default {getattr(DEFAULTS, name)!r}, {spec.allowed()}): {spec.help}"
+        for name, spec in SPECS.items()
+        if spec.experimental == experimental
+    ]
     if not experimental:
-        lines.append(f"  num_speculative_tokens (default {DEFAULT_NUM_SPECULATIVE_TOKENS}, "
-                     f"{NUM_SPECULATIVE_TOKENS.allowed()}): {NUM_SPECULATIVE_TOKENS.help}")
-        lines.append(f"  {EXPERIMENTAL_KEY}: a dict of experimental options, listed by "
-                     "`python -m vllm_selfspec.options --experimental`")
+        lines.append(
+            f"  num_speculative_tokens (default {DEFAULT_NUM_SPECULATIVE_TOKENS}, "
+            f"{NUM_SPECULATIVE_TOKENS.allowed()}): {NUM_SPECULATIVE_TOKENS.help}"
+        )
+        lines.append(
+            f"  {EXPERIMENTAL_KEY}: a dict of experimental options, listed by "
+            "`python -m vllm_selfspec.options --experimental`"
+        )
     return "\n".join(lines)
 
 
@@ -196,18 +239,20 @@ def make_options(raw: dict[str, Any]) -> SelfAdmgOptions:
         raise SelfAdmgConfigError(f"self-admg option {EXPERIMENTAL_KEY!r} must be a dict, got {nested!r}")
     misplaced = sorted(k for k in nested if k in SPECS and not SPECS[k].experimental)
     if misplaced:
-        raise SelfAdmgConfigError(f"self-admg option(s) {misplaced} are not experimental: give them "
-                                  f"at the top level of the speculative config")
+        raise SelfAdmgConfigError(
+            f"self-admg option(s) {misplaced} are not experimental: give them "
+            f"at the top level of the speculative config"
+        )
     unknown_nested = sorted(set(nested) - {k for k, s in SPECS.items() if s.experimental})
     if unknown_nested:
-        raise SelfAdmgConfigError(f"unknown experimental self-admg option(s) {unknown_nested}; allowed "
-                                  f"are:\n{describe_options(experimental=True)}")
-    top_level_experimental = sorted(k for k in raw if k in SPECS and SPECS[k].experimental
-                                    and k not in DEPRECATED)
+        raise SelfAdmgConfigError(
+            f"unknown experimental self-admg option(s) {unknown_nested}; allowed "
+            f"are:\n{describe_options(experimental=True)}"
+        )
+    top_level_experimental = sorted(k for k in raw if k in SPECS and SPECS[k].experimental and k not in DEPRECATED)
     unknown = sorted(set(raw) - set(SPECS) - set(DEPRECATED) - {EXPERIMENTAL_KEY}) + top_level_experimental
     if unknown:
-        raise SelfAdmgConfigError(
-            f"unknown self-admg option(s) {unknown}; allowed options are:\n{describe_options()}")
+        raise SelfAdmgConfigError(f"unknown self-admg option(s) {unknown}; allowed options are:\n{describe_options()}")
     values = _translate_deprecated(raw)
     return SelfAdmgOptions(**{name: SPECS[name].validate(name, v) for name, v in values.items()})
 
@@ -244,11 +289,13 @@ def parse_speculative_config(
     if foreign:
         raise SelfAdmgConfigError(
             f"speculative config key(s) {foreign} are not used by self-admg, which drafts with "
-            f"the target model itself; its options are:\n{describe_options()}")
+            f"the target model itself; its options are:\n{describe_options()}"
+        )
     options = make_options(ours)
     k = spec.get("num_speculative_tokens")
     spec["num_speculative_tokens"] = NUM_SPECULATIVE_TOKENS.validate(
-        "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k)
+        "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k
+    )
     spec["method"] = "custom_class"
     spec["model"] = PROPOSER_PATH
     return spec, options
@@ -257,12 +304,14 @@ def parse_speculative_config(
 def options_table(experimental: bool = False) -> str:
     """The options as a Markdown table (the README's is this, kept equal by a test)."""
     rows = [] if experimental else [("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS, NUM_SPECULATIVE_TOKENS)]
-    rows += [(name, getattr(DEFAULTS, name), spec) for name, spec in SPECS.items()
-             if spec.experimental == experimental]
+    rows += [(name, getattr(DEFAULTS, name), spec) for name, spec in SPECS.items() if spec.experimental == experimental]
     lines = ["| option | default | allowed | meaning |", "|---|---|---|---|"]
     for name, default, spec in rows:
-        shown = str(default).lower() if isinstance(default, bool) else (
-            f'"{default}"' if isinstance(default, str) else default)
+        shown = (
+            str(default).lower()
+            if isinstance(default, bool)
+            else (f'"{default}"' if isinstance(default, str) else default)
+        )
         lines.append(f"| `{name}` | {shown} | {spec.allowed()} | {spec.help} |")
     return "\n".join(lines)
 

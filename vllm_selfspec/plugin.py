@@ -26,10 +26,16 @@ def register() -> None:
         patched = apply_patches()
     except Exception as err:  # a plugin must never take plain vLLM down
         _roll_back()
-        logger.warning("vllm-selfspec could not patch vLLM (%s: %s): its patches are rolled back, plain "
-                       "vLLM runs unchanged, and the self-admg method is refused", type(err).__name__, err)
-        _refuse_self_admg(f"self-admg is unavailable: vllm-selfspec could not patch vLLM ({type(err).__name__}: "
-                          f"{err}); see the warning at start-up")
+        logger.warning(
+            "vllm-selfspec could not patch vLLM (%s: %s): its patches are rolled back, plain "
+            "vLLM runs unchanged, and the self-admg method is refused",
+            type(err).__name__,
+            err,
+        )
+        _refuse_self_admg(
+            f"self-admg is unavailable: vllm-selfspec could not patch vLLM ({type(err).__name__}: "
+            f"{err}); see the warning at start-up"
+        )
 
 
 def _roll_back() -> None:

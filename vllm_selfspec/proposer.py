@@ -83,8 +83,11 @@ class SelfAdmgProposer:
         self.counters = ProposerCounters()
         self.controller = DraftController()
         self.self_drafter: SelfDrafter | None = None
-        self.history = (TenantHistories(self.options.lookup_history)
-                        if self.options.lookup and self.options.lookup_history else None)
+        self.history = (
+            TenantHistories(self.options.lookup_history)
+            if self.options.lookup and self.options.lookup_history
+            else None
+        )
         self._drafted: dict[str, DraftMade] = {}
         self._step_end: float | None = None
         self._look_up = True  # the ranks' agreed decision, for the next step
@@ -106,10 +109,12 @@ class SelfAdmgProposer:
     def propose(self, *args, **kwargs):
         raise RuntimeError(
             "SelfAdmgProposer is driven by vllm_selfspec's runner hook; it cannot run as a bare "
-            "custom_class proposer (is the vllm_selfspec plugin loaded in this process?)")
+            "custom_class proposer (is the vllm_selfspec plugin loaded in this process?)"
+        )
 
-    def propose_for_runner(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
-                           common_attn_metadata) -> list[list[int]]:
+    def propose_for_runner(
+        self, runner, scheduler_output, sampled_token_ids: list[list[int]], common_attn_metadata
+    ) -> list[list[int]]:
         """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
         Its time is on every step's critical path, drafting or not, so it is counted."""
         start = time.perf_counter()
@@ -118,13 +123,15 @@ class SelfAdmgProposer:
             if self.fail_safe.disabled:
                 return self._no_drafts(rows)
             prepared = self.fail_safe.attempt(
-                lambda: self._prepare(StepView(runner, scheduler_output, sampled_token_ids)))
+                lambda: self._prepare(StepView(runner, scheduler_output, sampled_token_ids))
+            )
             may_draft, (look_up,) = self.fail_safe.agree(prepared is not None, (int(self._wants_lookup(prepared)),))
             self._look_up = bool(look_up)
             if not may_draft:
                 return self._no_drafts(rows)
-            return self.fail_safe.call(lambda: self._draft(prepared, common_attn_metadata),
-                                       lambda: self._no_drafts(rows))
+            return self.fail_safe.call(
+                lambda: self._draft(prepared, common_attn_metadata), lambda: self._no_drafts(rows)
+            )
         finally:
             self._proposed_at = self._steps_run
             self.counters.propose_calls += 1
@@ -157,11 +164,23 @@ class SelfAdmgProposer:
         rows = step.rows
         budgets = [self._draft_budget(row.tokens_left) if row.may_draft else 0 for row in rows]
         found = self._lookup(step, rows, budgets)
-        offers = [RowOffer(row.req_id, len(draft), source, budget > 0, row.sampled, draft.probs, draft.match,
-                           row.tokens_left, has_mask=row.req_id in self.self_drafter.masks)
-                  for row, budget, (source, draft) in zip(rows, budgets, found)]
-        return PreparedStep(step, budgets, found, offers,
-                            self._plan(offers, max(budgets, default=0), step.waiting_requests))
+        offers = [
+            RowOffer(
+                row.req_id,
+                len(draft),
+                source,
+                budget > 0,
+                row.sampled,
+                draft.probs,
+                draft.match,
+                row.tokens_left,
+                has_mask=row.req_id in self.self_drafter.masks,
+            )
+            for row, budget, (source, draft) in zip(rows, budgets, found)
+        ]
+        return PreparedStep(
+            step, budgets, found, offers, self._plan(offers, max(budgets, default=0), step.waiting_requests)
+        )
 
     def _draft(self, prepared: PreparedStep, common_attn_metadata) -> list[list[int]]:
         """The part every rank runs alike: the shared plan, lookup drafts and self-drafts."""
@@ -177,8 +196,13 @@ class SelfAdmgProposer:
             if length:
                 drafts[row.index] = [int(t) for t in draft.tokens[:length]]
                 expectation = self.controller.expected_accepted(offer, length)
-                self._drafted[row.req_id] = DraftMade(source, length, self.controller.calibration(offer, length),
-                                                      expectation.planned, expectation.estimated)
+                self._drafted[row.req_id] = DraftMade(
+                    source,
+                    length,
+                    self.controller.calibration(offer, length),
+                    expectation.planned,
+                    expectation.estimated,
+                )
                 self.counters.lookup_tokens += length
                 if source == DraftSource.HISTORY:
                     self.counters.history_tokens += length
@@ -206,10 +230,12 @@ class SelfAdmgProposer:
         shape = step.shape()
         if self._step_end is not None and shape is not None and step.engine_was_busy and follows_last_call:
             seconds = now - self._step_end
-            self.controller.observe_step(shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, seconds,
-                                         shape.draft_tokens)
-            self.counters.steps.append((shape.prompt_tokens, shape.logit_rows, shape.sampled_rows,
-                                        shape.draft_tokens, seconds))
+            self.controller.observe_step(
+                shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, seconds, shape.draft_tokens
+            )
+            self.counters.steps.append(
+                (shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, shape.draft_tokens, seconds)
+            )
             self.counters.steps_timed += 1
         self._step_end = None
         for row in step.rows:
@@ -240,8 +266,7 @@ class SelfAdmgProposer:
             source, draft = DraftSource.LOOKUP, NO_DRAFT
             if self.options.lookup and self._look_up and budget:
                 history = self.history.pool(step.tenant(row.index)) if self.history is not None else None
-                source, draft = lookup_draft(step.context(row.index), budget, self.options.lookup_max_match,
-                                             history)
+                source, draft = lookup_draft(step.context(row.index), budget, self.options.lookup_max_match, history)
                 looked_up += 1
             found.append((source, draft))
         if looked_up:
@@ -262,15 +287,22 @@ class SelfAdmgProposer:
         rank's history ever differ, from its own offers)."""
         return DraftPlan.from_ints(same_on_all_ranks(torch.tensor(plan.as_ints(), device=self._device)).tolist(), rows)
 
-    def _self_draft(self, step: StepView, forward: DraftForward, rows: list[tuple[StepRow, int]],
-                    length: int, drafts: list[list[int]]) -> None:
+    def _self_draft(
+        self,
+        step: StepView,
+        forward: DraftForward,
+        rows: list[tuple[StepRow, int]],
+        length: int,
+        drafts: list[list[int]],
+    ) -> None:
         """Probe the rows not measured yet, then draft up to `length` tokens for all of them."""
         new = [row.index for row, _ in rows if row.req_id not in self.self_drafter.masks]
         if new:
             probe = self.self_drafter.probe(step, forward, new)
             for m in probe.measurements:
                 self.counters.measurements.append(
-                    (prompt_key(m.prompt), m.attention_similarity, m.mlp_similarity, m.mask))
+                    (prompt_key(m.prompt), m.attention_similarity, m.mlp_similarity, m.mask)
+                )
             self.counters.prompts_measured += len(new)
             self.counters.prompt_tokens_measured += probe.tokens
             self.counters.probe_seconds += probe.seconds
@@ -298,8 +330,12 @@ class SelfAdmgProposer:
                 self.self_drafter.forget(req_id)
             self.controller.forget(req_id)
             params = getattr(request, "sampling_params", None)
-            if (self.history is not None and request is not None and request.output_token_ids
-                    and not (params is not None and params.stop)):
+            if (
+                self.history is not None
+                and request is not None
+                and request.output_token_ids
+                and not (params is not None and params.stop)
+            ):
                 self.history.add(tenant_of(request), np.array(request.output_token_ids))
         except Exception as err:  # never let clean-up of an optimisation fail a request
             self.fail_safe.record(err)

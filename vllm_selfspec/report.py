@@ -43,8 +43,7 @@ class ProposerCounters:
 
 def prompt_key(prompt_token_ids) -> str:
     """A short, stable name for a prompt's token ids (to match measurements to prompts)."""
-    return hashlib.blake2b(np.asarray(prompt_token_ids, dtype=np.int64).tobytes(),
-                           digest_size=8).hexdigest()
+    return hashlib.blake2b(np.asarray(prompt_token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
 
 
 def proposer_report(worker, measurements: bool = True) -> dict:
@@ -57,8 +56,11 @@ def proposer_report(worker, measurements: bool = True) -> dict:
     if not isinstance(drafter, SelfAdmgProposer):
         return {}
     counters = drafter.counters
-    report = {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)
-              if f.name not in ("measurements", "steps")}
+    report = {
+        f.name: getattr(counters, f.name)
+        for f in dataclasses.fields(counters)
+        if f.name not in ("measurements", "steps")
+    }
     report["live_requests"] = sorted(drafter.self_drafter.masks)
     report["faults"] = drafter.fail_safe.faults
     report["drafting_disabled"] = drafter.fail_safe.disabled
@@ -67,8 +69,13 @@ def proposer_report(worker, measurements: bool = True) -> dict:
     if measurements:
         report["steps"] = [list(step) for step in counters.steps]
         report["measurements"] = [
-            {"prompt_key": key, "attention_similarity": attn.tolist(), "mlp_similarity": mlp.tolist(),
-             "skip_attention": [bool(x) for x in mask.attention], "skip_mlp": [bool(x) for x in mask.mlp]}
+            {
+                "prompt_key": key,
+                "attention_similarity": attn.tolist(),
+                "mlp_similarity": mlp.tolist(),
+                "skip_attention": [bool(x) for x in mask.attention],
+                "skip_mlp": [bool(x) for x in mask.mlp],
+            }
             for key, attn, mlp, mask in counters.measurements
         ]
     return report
@@ -82,9 +89,11 @@ def metrics_snapshot(drafter) -> dict:
         "faults": fail_safe.faults,
         "drafting_disabled": int(fail_safe.disabled),
         "steps_skipped_for_faults": fail_safe.steps_skipped,
-        "draft_tokens": {"self": counters.draft_tokens,
-                         "context": counters.context_tokens,
-                         "history": counters.history_tokens},
+        "draft_tokens": {
+            "self": counters.draft_tokens,
+            "context": counters.context_tokens,
+            "history": counters.history_tokens,
+        },
         "lookup_tokens_accepted": counters.lookup_accepted,
         "probes": counters.prompts_measured,
         "probe_seconds": counters.probe_seconds,
@@ -111,5 +120,8 @@ class SelfAdmgWorkerExtension:
 def spec_decode_counters(llm) -> dict[str, float]:
     """vLLM's own spec-decode counters of an `LLM` built with disable_log_stats=False:
     num_drafts, num_draft_tokens, num_accepted_tokens (names without the vllm: prefix)."""
-    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")}
+    return {
+        m.name.removeprefix("vllm:spec_decode_"): m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")
+    }

@@ -28,7 +28,8 @@ class ResidualStream:
                 if not hasattr(layer, name):
                     raise NotImplementedError(
                         f"decoder layer {type(layer).__name__} has no {name!r}; self-admg supports "
-                        "Llama-style decoder layers only")
+                        "Llama-style decoder layers only"
+                    )
 
     @property
     def num_layers(self) -> int:
@@ -57,8 +58,13 @@ class ResidualStream:
         (not under tensor parallelism or quantization); None otherwise."""
         weight = getattr(getattr(self.causal_lm, "lm_head", None), "weight", None)
         vocab = getattr(self.causal_lm.config, "vocab_size", None)
-        if (not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2
-                or vocab is None or weight.shape[0] < vocab):
+        if (
+            not isinstance(weight, torch.Tensor)
+            or not weight.is_floating_point()
+            or weight.dim() != 2
+            or vocab is None
+            or weight.shape[0] < vocab
+        ):
             return None
         return weight[:vocab]
 
@@ -116,8 +122,9 @@ def cosine_rows(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(before.float(), after.float(), dim=-1)
 
 
-def similarity_sums(stream: ResidualStream, input_ids: torch.Tensor, positions: torch.Tensor,
-                    row_of_token: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def similarity_sums(
+    stream: ResidualStream, input_ids: torch.Tensor, positions: torch.Tensor, row_of_token: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the full model over tokens of `num_rows` sequences and return, per row and layer,
     the sum over that row's tokens of cos(h, h + attention) and cos(h', h' + MLP):
     two float64 tensors [num_rows, num_layers]. Attention reads the KV cache; the caller's
@@ -136,9 +143,14 @@ def similarity_sums(stream: ResidualStream, input_ids: torch.Tensor, positions: 
     return attn_sum, mlp_sum
 
 
-def draft_logits(stream: ResidualStream, input_ids: torch.Tensor, positions: torch.Tensor,
-                 skip_attention: torch.Tensor, skip_mlp: torch.Tensor,
-                 head_ids: HeadIds | None = None) -> torch.Tensor:
+def draft_logits(
+    stream: ResidualStream,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    skip_attention: torch.Tensor,
+    skip_mlp: torch.Tensor,
+    head_ids: HeadIds | None = None,
+) -> torch.Tensor:
     """One draft step for a batch of rows, each with its own skip mask ([rows, layers] bool,
     on the CPU). A sublayer that every row skips is not computed at all; one that some rows
     skip is computed for all rows (attention) or only for the keeping rows (MLP), and its

@@ -85,8 +85,13 @@ class SelfDrafter:
             req_id = step.req_ids[row]
             self.masks[req_id] = mask
             measurements.append(Measurement(req_id, step.prompt(row), attn_mean[i], mlp_mean[i], mask))
-            logger.debug("self-admg request %s skips %d attention and %d MLP sublayers of %d layers",
-                         req_id, sum(mask.attention), sum(mask.mlp), len(mask.attention))
+            logger.debug(
+                "self-admg request %s skips %d attention and %d MLP sublayers of %d layers",
+                req_id,
+                sum(mask.attention),
+                sum(mask.mlp),
+                len(mask.attention),
+            )
         return ProbeResult(measurements, int(query_lens.sum()), time.perf_counter() - start)
 
     def _similarities(self, step: StepView, forward: DraftForward, rows: list[int]):
@@ -102,8 +107,12 @@ class SelfDrafter:
         device = forward.device
         with forward.probe(rows, query_lens, prompt_lens):
             attn_sum, mlp_sum = similarity_sums(
-                self.stream, torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
-                torch.from_numpy(row_of_token).to(device), len(rows))
+                self.stream,
+                torch.from_numpy(ids).to(device),
+                torch.from_numpy(positions).to(device),
+                torch.from_numpy(row_of_token).to(device),
+                len(rows),
+            )
         means = torch.stack([attn_sum, mlp_sum]) / torch.from_numpy(query_lens)[:, None].to(attn_sum)
         attn_mean, mlp_mean = same_on_all_ranks(means).cpu().numpy()
         return attn_mean, mlp_mean, query_lens
@@ -119,14 +128,22 @@ class SelfDrafter:
         self.warmed_up = True
         return time.perf_counter() - start
 
-    def draft(self, step: StepView, forward: DraftForward, rows: list[int], budgets: np.ndarray,
-              drafts: list[list[int]]) -> DraftRun:
+    def draft(
+        self, step: StepView, forward: DraftForward, rows: list[int], budgets: np.ndarray, drafts: list[list[int]]
+    ) -> DraftRun:
         """Greedy draft tokens for `rows` (probed already) under their masks, up to `budgets`,
         appended to `drafts[row]`."""
         return self._draft(step, forward, rows, [self.masks[step.req_ids[r]] for r in rows], budgets, drafts)
 
-    def _draft(self, step: StepView, forward: DraftForward, rows: list[int], masks: list[SkipMask],
-               budgets: np.ndarray, drafts: list[list[int]]) -> DraftRun:
+    def _draft(
+        self,
+        step: StepView,
+        forward: DraftForward,
+        rows: list[int],
+        masks: list[SkipMask],
+        budgets: np.ndarray,
+        drafts: list[list[int]],
+    ) -> DraftRun:
         run, start = DraftRun(), time.perf_counter()
         device = forward.device
         skip_attention = torch.tensor([m.attention for m in masks], dtype=torch.bool)
@@ -142,9 +159,14 @@ class SelfDrafter:
             active_rows = [rows[i] for i in active]
             with forward.draft_step(active_rows, positions, j):
                 fault_point("draft")
-                logits = draft_logits(self.stream, torch.from_numpy(tokens[active]).to(device),
-                                      torch.from_numpy(positions).to(device),
-                                      skip_attention[active], skip_mlp[active], head_ids)
+                logits = draft_logits(
+                    self.stream,
+                    torch.from_numpy(tokens[active]).to(device),
+                    torch.from_numpy(positions).to(device),
+                    skip_attention[active],
+                    skip_mlp[active],
+                    head_ids,
+                )
             if exit_threshold > 0:
                 top_prob, next_tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
                 confident = top_prob >= exit_threshold

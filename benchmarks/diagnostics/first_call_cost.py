@@ -33,10 +33,14 @@ def main(argv=None) -> None:
     print(f"dtype {dtype.reason}", flush=True)
     print(f"cores {bind_worker_cores().reason}", flush=True)
     prompts = assets.load_prompts("humaneval")
-    llm = build_llm(args.model, dtype=dtype.dtype, max_model_len=2048,
-                    max_num_seqs=max(args.batches), kv_cache_memory_bytes=1 << 30,
-                    speculative_config={"method": "self-admg", "num_speculative_tokens": 4,
-                                        "adaptive": False, "lookup": False})
+    llm = build_llm(
+        args.model,
+        dtype=dtype.dtype,
+        max_model_len=2048,
+        max_num_seqs=max(args.batches),
+        kv_cache_memory_bytes=1 << 30,
+        speculative_config={"method": "self-admg", "num_speculative_tokens": 4, "adaptive": False, "lookup": False},
+    )
 
     def counters() -> dict:
         report = llm.collective_rpc(proposer_report, kwargs={"measurements": False})[0]
@@ -44,14 +48,16 @@ def main(argv=None) -> None:
 
     before, start = counters(), 0
     for batch in args.batches:
-        llm.generate(prompts[start:start + batch], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        llm.generate(prompts[start : start + batch], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         start += batch
         now = counters()
         d = {key: now[key] - before[key] for key in KEYS}
         before = now
-        print(f"B={batch}: warm-up {d['warmup_seconds']:.2f} s, probe {d['probe_seconds']:.3f} s for "
-              f"{d['prompts_measured']} prompts, draft {d['draft_seconds']:.3f} s in {d['draft_steps']} steps",
-              flush=True)
+        print(
+            f"B={batch}: warm-up {d['warmup_seconds']:.2f} s, probe {d['probe_seconds']:.3f} s for "
+            f"{d['prompts_measured']} prompts, draft {d['draft_seconds']:.3f} s in {d['draft_steps']} steps",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

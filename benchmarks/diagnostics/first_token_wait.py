@@ -55,15 +55,20 @@ def first_token_wait(result: dict) -> FirstTokenWait | None:
     in_progress, own = [], []
     for start, ttft in zip(result["start_times"], result["ttfts"]):
         first = start + ttft
-        following = ends[np.searchsorted(ends, start, side="right"):]
+        following = ends[np.searchsorted(ends, start, side="right") :]
         boundary = following[0] if len(following) else first
         # The first boundary after arrival is the request's own first chunk: it found the engine
         # idle (or was admitted at once), and waited for no step in progress.
         wait = 0.0 if boundary >= first - SAME_STEP_S else boundary - start
         in_progress.append(wait)
         own.append(ttft - wait)
-    return FirstTokenWait(len(ends), 1e3 * float(np.median(np.diff(ends))), 1e3 * float(np.mean(in_progress)),
-                          1e3 * float(np.mean(own)), 1e3 * float(np.mean(result["ttfts"])))
+    return FirstTokenWait(
+        len(ends),
+        1e3 * float(np.median(np.diff(ends))),
+        1e3 * float(np.mean(in_progress)),
+        1e3 * float(np.mean(own)),
+        1e3 * float(np.mean(result["ttfts"])),
+    )
 
 
 def main(argv=None) -> None:
@@ -71,16 +76,20 @@ def main(argv=None) -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--workload", default=None, help="only this workload")
     args = parser.parse_args(argv)
-    print("| round | server | workload | load | steps | median step ms | wait for the step in progress ms | "
-          "then to the first token ms | mean TTFT ms |")
+    print(
+        "| round | server | workload | load | steps | median step ms | wait for the step in progress ms | "
+        "then to the first token ms | mean TTFT ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for run in runs_from_folder(args.folder):
         if not run.clean or (args.workload and run.workload != args.workload):
             continue
         found = first_token_wait(run.result)
         if found:
-            print(f"| {run.round} | {run.server.name} | {run.workload} | {run.point.label} | {found.steps} | "
-                  f"{found.step_ms:.0f} | {found.in_progress_ms:.0f} | {found.own_step_ms:.0f} | {found.ttft_ms:.0f} |")
+            print(
+                f"| {run.round} | {run.server.name} | {run.workload} | {run.point.label} | {found.steps} | "
+                f"{found.step_ms:.0f} | {found.in_progress_ms:.0f} | {found.own_step_ms:.0f} | {found.ttft_ms:.0f} |"
+            )
 
 
 if __name__ == "__main__":

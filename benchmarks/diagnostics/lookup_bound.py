@@ -26,8 +26,7 @@ def contexts(length: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarra
     }
 
 
-def milliseconds(context: np.ndarray, corpus: np.ndarray | None, draft: int, max_match: int,
-                 repeats: int) -> float:
+def milliseconds(context: np.ndarray, corpus: np.ndarray | None, draft: int, max_match: int, repeats: int) -> float:
     from vllm_selfspec.lookup import suffix_draft
 
     suffix_draft(context, draft, corpus, max_match)  # compiled and cached before timing
@@ -39,8 +38,9 @@ def milliseconds(context: np.ndarray, corpus: np.ndarray | None, draft: int, max
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768, 131072],
-                        help="context and history lengths in tokens")
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[4096, 32768, 131072], help="context and history lengths in tokens"
+    )
     parser.add_argument("--draft", type=int, default=4, help="draft tokens asked for (K)")
     parser.add_argument("--max-match", type=int, default=24, help="lookup_max_match")
     parser.add_argument("--repeats", type=int, default=20)
@@ -50,8 +50,10 @@ def main(argv=None) -> None:
 
     warm_up()
     rng = np.random.default_rng(0)
-    print(f"ms per lookup, one core; K={args.draft}, max_match={args.max_match}; caps: "
-          f"{MAX_OCCURRENCES_SCANNED} occurrences scanned, {MAX_OCCURRENCES_FOLLOWED} followed")
+    print(
+        f"ms per lookup, one core; K={args.draft}, max_match={args.max_match}; caps: "
+        f"{MAX_OCCURRENCES_SCANNED} occurrences scanned, {MAX_OCCURRENCES_FOLLOWED} followed"
+    )
     print("| tokens | kind | own context, ms | history of earlier outputs, ms | input |")
     print("|---|---|---|---|---|")
     worst = {"hostile": 0.0, "ordinary": 0.0}

@@ -50,8 +50,9 @@ class SelfAdmgLookup:
 
     def draft(self, prompt: np.ndarray, output: np.ndarray, tokens_left: int) -> list[int]:
         # As the proposer does: no more tokens than the request can still use.
-        _, found = lookup_draft(np.concatenate([prompt, output]), min(self.k, tokens_left - 1), self.max_match,
-                                self.history)
+        _, found = lookup_draft(
+            np.concatenate([prompt, output]), min(self.k, tokens_left - 1), self.max_match, self.history
+        )
         return found.tokens.tolist()
 
     def emitted(self, tokens: np.ndarray) -> None:
@@ -73,8 +74,9 @@ class SuffixMethodLookup:
         self.k, self.max_depth = k, default["suffix_decoding_max_tree_depth"]
         self.spec_factor = default["suffix_decoding_max_spec_factor"]
         self.min_prob = default["suffix_decoding_min_token_prob"]
-        self.cache = SuffixDecodingCache(max_tree_depth=self.max_depth,
-                                         max_cached_requests=default["suffix_decoding_max_cached_requests"])
+        self.cache = SuffixDecodingCache(
+            max_tree_depth=self.max_depth, max_cached_requests=default["suffix_decoding_max_cached_requests"]
+        )
         self.request = 0
 
     def start(self, prompt: np.ndarray) -> None:
@@ -82,9 +84,16 @@ class SuffixMethodLookup:
         self.cache.start_request(str(self.request), prompt.astype(np.int32))
 
     def draft(self, prompt: np.ndarray, output: np.ndarray, tokens_left: int) -> list[int]:
-        pattern = np.concatenate([prompt, output])[-self.max_depth:].astype(np.int32)
-        return list(self.cache.speculate(str(self.request), pattern, max_spec_tokens=self.k,
-                                         max_spec_factor=self.spec_factor, min_token_prob=self.min_prob).token_ids)
+        pattern = np.concatenate([prompt, output])[-self.max_depth :].astype(np.int32)
+        return list(
+            self.cache.speculate(
+                str(self.request),
+                pattern,
+                max_spec_tokens=self.k,
+                max_spec_factor=self.spec_factor,
+                min_token_prob=self.min_prob,
+            ).token_ids
+        )
 
     def emitted(self, tokens: np.ndarray) -> None:
         self.cache.add_active_response(str(self.request), tokens.tolist())
@@ -105,7 +114,7 @@ def serve(rule, prompt: np.ndarray, answer: np.ndarray, counts: Counts) -> None:
         while accepted < len(draft) and done + accepted < len(answer) and draft[accepted] == answer[done + accepted]:
             accepted += 1
         advance = min(accepted + 1, len(answer) - done)
-        rule.emitted(answer[done:done + advance])
+        rule.emitted(answer[done : done + advance])
         counts.steps += 1
         counts.drafted_steps += bool(draft)
         counts.draft_tokens += len(draft)
@@ -120,7 +129,7 @@ def served_requests(folder: Path, run: str, tokenizer) -> list[tuple[np.ndarray,
     prompts = [json.loads(line)["prompt"] for line in (folder / "workloads" / f"{run}.jsonl").read_text().splitlines()]
     ids = lambda text: np.array(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)  # noqa: E731
     order = np.argsort(raw["start_times"], kind="stable")
-    return [(ids(prompts[i]), ids(raw["generated_texts"][i])[:raw["output_lens"][i]]) for i in order]
+    return [(ids(prompts[i]), ids(raw["generated_texts"][i])[: raw["output_lens"][i]]) for i in order]
 
 
 def main(argv=None) -> None:
@@ -146,8 +155,11 @@ def main(argv=None) -> None:
             counts = Counts()
             for prompt, answer in requests:
                 serve(rule, prompt, answer, counts)
-            print(f"{point} | {name} | {counts.steps} | {counts.drafted_steps} | {counts.draft_tokens} | "
-                  f"{counts.accepted}", flush=True)
+            print(
+                f"{point} | {name} | {counts.steps} | {counts.drafted_steps} | {counts.draft_tokens} | "
+                f"{counts.accepted}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -36,17 +36,39 @@ def install_log(worker) -> None:
             rows = []
             for o, length in zip(offers, result.lookup_lengths):
                 gains = controller.acceptance.lookup_gains(o) if o.lookup_tokens else []
-                rows.append(dict(req=o.req_id, offered=o.lookup_tokens, length=length,
-                                 first=gains[0] if gains else None,
-                                 expected=float(sum(gains[:length])), left=o.remaining))
-            log["plans"].append(dict(draining=draining, t0=step.t0, t_row=step.t_row, t_sampled=step.t_sampled,
-                                     t_verify=step.t_verify, self_length=result.self_length, rows=rows))
+                rows.append(
+                    dict(
+                        req=o.req_id,
+                        offered=o.lookup_tokens,
+                        length=length,
+                        first=gains[0] if gains else None,
+                        expected=float(sum(gains[:length])),
+                        left=o.remaining,
+                    )
+                )
+            log["plans"].append(
+                dict(
+                    draining=draining,
+                    t0=step.t0,
+                    t_row=step.t_row,
+                    t_sampled=step.t_sampled,
+                    t_verify=step.t_verify,
+                    self_length=result.self_length,
+                    rows=rows,
+                )
+            )
         return result
 
     def logged_observe_draft(req_id, source, drafted, accepted, bins=(), estimated=0.0):
-        log["outcomes"].append(dict(req=req_id, source=str(getattr(source, "value", source)), drafted=drafted,
-                                    accepted=accepted,
-                                    plan=len(log["plans"])))
+        log["outcomes"].append(
+            dict(
+                req=req_id,
+                source=str(getattr(source, "value", source)),
+                drafted=drafted,
+                accepted=accepted,
+                plan=len(log["plans"]),
+            )
+        )
         return observe_draft(req_id, source, drafted, accepted, bins, estimated)
 
     controller.plan, controller.observe_draft = logged_plan, logged_observe_draft
@@ -79,14 +101,20 @@ def main(argv=None) -> None:
     print(f"cores {bind_worker_cores().reason}", flush=True)
     prompts = assets.load_prompts(args.workload)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
-    llm = build_llm(args.model, dtype=dtype.dtype, max_model_len=2048, max_num_seqs=args.batch,
-                    kv_cache_memory_bytes=2 << 30, speculative_config=json.loads(args.spec))
+    llm = build_llm(
+        args.model,
+        dtype=dtype.dtype,
+        max_model_len=2048,
+        max_num_seqs=args.batch,
+        kv_cache_memory_bytes=2 << 30,
+        speculative_config=json.loads(args.spec),
+    )
     llm.generate(prompts[:1], params, use_tqdm=False)  # learn step costs before logging
     llm.collective_rpc(install_log)
     batch_steps, log = [], {"plans": []}
     for b in range(1, args.batches + 1):
         before = len(log["plans"])
-        llm.generate(prompts[b * args.batch:(b + 1) * args.batch], params, use_tqdm=False)
+        llm.generate(prompts[b * args.batch : (b + 1) * args.batch], params, use_tqdm=False)
         log = llm.collective_rpc(read_log)[0]
         batch_steps.append(len(log["plans"]) - before)
     if args.out:
@@ -109,12 +137,15 @@ def main(argv=None) -> None:
         table[(draining, bucket)] += (1, out["drafted"], row["expected"], out["accepted"])
     print("draining | first-token rate | drafts | tokens | expected accepted | accepted")
     for (draining, bucket), (n, drafted, expected, accepted) in sorted(table.items()):
-        print(f"{draining} | {bucket:.1f}-{bucket + 0.1:.1f} | {n:.0f} | {drafted:.0f} | {expected:.1f} | "
-              f"{accepted:.0f}")
+        print(
+            f"{draining} | {bucket:.1f}-{bucket + 0.1:.1f} | {n:.0f} | {drafted:.0f} | {expected:.1f} | {accepted:.0f}"
+        )
     plans = log["plans"]
-    print(f"plans: {len(plans)}, draining {sum(p['draining'] for p in plans)}; "
-          f"last plan's t0 {plans[-1]['t0'] * 1e3:.0f} ms, t_row {plans[-1]['t_row'] * 1e3:.1f} ms, "
-          f"t_sampled {plans[-1]['t_sampled'] * 1e3:.1f} ms, t_verify {plans[-1]['t_verify'] * 1e3:.1f} ms")
+    print(
+        f"plans: {len(plans)}, draining {sum(p['draining'] for p in plans)}; "
+        f"last plan's t0 {plans[-1]['t0'] * 1e3:.0f} ms, t_row {plans[-1]['t_row'] * 1e3:.1f} ms, "
+        f"t_sampled {plans[-1]['t_sampled'] * 1e3:.1f} ms, t_verify {plans[-1]['t_verify'] * 1e3:.1f} ms"
+    )
     print(f"steps per batch of {args.batch} x {args.max_tokens} tokens: {batch_steps}")
 
 

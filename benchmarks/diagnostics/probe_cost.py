@@ -36,8 +36,13 @@ def main() -> None:
     print(f"cores {bind_worker_cores().reason}", flush=True)
     model = assets.model_or_path(args.model)
     prompts = assets.load_prompts(args.dataset, limit=args.prompts)
-    common = dict(dtype=args.dtype, max_model_len=4096, max_num_seqs=1,
-                  kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False)
+    common = dict(
+        dtype=args.dtype,
+        max_model_len=4096,
+        max_num_seqs=1,
+        kv_cache_memory_bytes=512 << 20,
+        enable_prefix_caching=False,
+    )
 
     results = {}
     for name, spec, max_tokens in (("plain", None, 1), ("self-admg", {"method": "self-admg"}, 3)):
@@ -55,8 +60,10 @@ def main() -> None:
         close_llm(llm)
 
     plain, ours = results["plain"], results["self-admg"]
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; model {args.model}, "
-          f"{args.dtype}, {len(prompts)} {args.dataset} prompts ({ours['tokens']} tokens), batch 1")
+    print(
+        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores; model {args.model}, "
+        f"{args.dtype}, {len(prompts)} {args.dataset} prompts ({ours['tokens']} tokens), batch 1"
+    )
     print(f"{'':34}{'seconds':>9}")
     print(f"{'plain prefill (max_tokens=1)':34}{plain['seconds']:>9.2f}")
     print(f"{'self-admg probe passes':34}{ours['probe']:>9.2f}")

@@ -44,9 +44,13 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="self-admg", help="a speculative method, or plain")
-    parser.add_argument("--spec-options", type=json.loads, default={},
-                        help="more of the speculative config, as JSON: '{\"prompt_lookup_min\": 16}' with "
-                             "ngram gives a speculative engine that drafts almost nothing")
+    parser.add_argument(
+        "--spec-options",
+        type=json.loads,
+        default={},
+        help="more of the speculative config, as JSON: '{\"prompt_lookup_min\": 16}' with "
+        "ngram gives a speculative engine that drafts almost nothing",
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=1)
@@ -55,10 +59,17 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     print(bind_worker_cores().reason)
-    spec = None if args.method == "plain" else {"method": args.method, "num_speculative_tokens": 4,
-                                                **args.spec_options}
-    llm = build_llm(args.model, dtype=args.dtype, max_model_len=2048, max_num_batched_tokens=2048,
-                    max_num_seqs=max(args.batch, 1), seed=0, speculative_config=spec, kv_cache_memory_bytes=1 << 30)
+    spec = None if args.method == "plain" else {"method": args.method, "num_speculative_tokens": 4, **args.spec_options}
+    llm = build_llm(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=2048,
+        max_num_batched_tokens=2048,
+        max_num_seqs=max(args.batch, 1),
+        seed=0,
+        speculative_config=spec,
+        kv_cache_memory_bytes=1 << 30,
+    )
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     totals = {"propose_draft_token_ids": [0, 0.0], "execute_model": [0, 0.0]}
@@ -68,19 +79,21 @@ def main(argv=None) -> None:
     if args.history + args.batch * args.rounds > len(prompts):
         raise SystemExit(f"--history + --batch x --rounds must be at most {len(prompts)}")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llm.generate(prompts[:args.history], params, use_tqdm=False)
+    llm.generate(prompts[: args.history], params, use_tqdm=False)
     for pair in totals.values():
         pair[:] = [0, 0.0]
     start, tokens = time.perf_counter(), 0
     for i in range(args.rounds):
-        batch = prompts[args.history + i * args.batch:args.history + (i + 1) * args.batch]
+        batch = prompts[args.history + i * args.batch : args.history + (i + 1) * args.batch]
         tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False))
     wall = time.perf_counter() - start
     (steps, step_s), (calls, propose_s) = totals["execute_model"], totals["propose_draft_token_ids"]
     method = f"{args.method} {json.dumps(args.spec_options)}" if args.spec_options else args.method
-    print(f"{method}, batch {args.batch}, after {args.history} prompts: {tokens} tokens in {wall:.2f} s "
-          f"= {tokens / wall:.1f} tokens/s; {steps} steps of {1e3 * step_s / max(steps, 1):.2f} ms; proposer "
-          f"{1e3 * propose_s / max(calls, 1):.2f} ms a step ({100 * propose_s / wall:.1f}% of the time)")
+    print(
+        f"{method}, batch {args.batch}, after {args.history} prompts: {tokens} tokens in {wall:.2f} s "
+        f"= {tokens / wall:.1f} tokens/s; {steps} steps of {1e3 * step_s / max(steps, 1):.2f} ms; proposer "
+        f"{1e3 * propose_s / max(calls, 1):.2f} ms a step ({100 * propose_s / wall:.1f}% of the time)"
+    )
 
 
 if __name__ == "__main__":

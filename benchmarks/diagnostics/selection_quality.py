@@ -80,7 +80,7 @@ def agreement(model, skipper, prompt: list[int], continuation: list[int], mask) 
     with torch.no_grad():
         logits = model(torch.tensor([prompt + continuation])).logits[0]
     skipper.attention, skipper.mlp = [False] * len(skipper.layers), [False] * len(skipper.layers)
-    predicted = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+    predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
     return float(np.mean([p == t for p, t in zip(predicted, continuation)]))
 
 
@@ -136,7 +136,7 @@ def main(argv=None) -> Path:
     for ids in prompts:
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False)
-        continuations.append(out[0, len(ids):].tolist())
+        continuations.append(out[0, len(ids) :].tolist())
         stats.append(similarities(model, skipper, ids))
 
     rng = random.Random(0)
@@ -145,24 +145,34 @@ def main(argv=None) -> Path:
         for p, (ids, continuation) in enumerate(zip(prompts, continuations)):
             others = [s for q, s in enumerate(stats) if q != p]
             static = (np.mean([a for a, _ in others], 0), np.mean([m for _, m in others], 0))
-            masks = {"admg": budget_rule(*stats[p], attention_bytes, mlp_bytes, budget, skippable, skippable),
-                     "static": budget_rule(*static, attention_bytes, mlp_bytes, budget, skippable, skippable)}
+            masks = {
+                "admg": budget_rule(*stats[p], attention_bytes, mlp_bytes, budget, skippable, skippable),
+                "static": budget_rule(*static, attention_bytes, mlp_bytes, budget, skippable, skippable),
+            }
             for d in range(args.random_draws):
                 masks[f"random {d}"] = random_mask(rng, n, attention_bytes, mlp_bytes, budget, skippable)
             for name, mask in masks.items():
-                rows.append({"budget": budget, "prompt": p, "selection": name.split()[0],
-                             "skipped_share": skipped_share(mask, attention_bytes, mlp_bytes),
-                             "agreement": agreement(model, skipper, ids, continuation, mask)})
+                rows.append(
+                    {
+                        "budget": budget,
+                        "prompt": p,
+                        "selection": name.split()[0],
+                        "skipped_share": skipped_share(mask, attention_bytes, mlp_bytes),
+                        "agreement": agreement(model, skipper, ids, continuation, mask),
+                    }
+                )
             print(json.dumps(rows[-1]), flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                                       "rows": rows}, indent=2))
+    (args.out / "results.json").write_text(
+        json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2)
+    )
     table = summarize(rows)
     (args.out / "table.md").write_text(
         f"Teacher-forced greedy agreement, {args.model} ({args.dtype}), {args.prompts} {args.workload} prompts "
         f"x {args.tokens} tokens; command: `python -m benchmarks.diagnostics.selection_quality "
-        f"{' '.join(argv or __import__('sys').argv[1:])}`\n\n{table}\n")
+        f"{' '.join(argv or __import__('sys').argv[1:])}`\n\n{table}\n"
+    )
     plot(rows, args.out / "selection_quality.png")
     print("\n" + table)
     return args.out
@@ -173,8 +183,10 @@ def summarize(rows) -> str:
     for budget in sorted({r["budget"] for r in rows}):
         for selection in ("admg", "static", "random"):
             sel = [r for r in rows if r["budget"] == budget and r["selection"] == selection]
-            lines.append(f"| {budget} | {selection} | {np.mean([r['skipped_share'] for r in sel]):.3f} "
-                         f"| {np.mean([r['agreement'] for r in sel]):.3f} |")
+            lines.append(
+                f"| {budget} | {selection} | {np.mean([r['skipped_share'] for r in sel]):.3f} "
+                f"| {np.mean([r['agreement'] for r in sel]):.3f} |"
+            )
     return "\n".join(lines)
 
 
@@ -188,8 +200,12 @@ def plot(rows, path: Path) -> None:
     for selection in ("admg", "static", "random"):
         budgets = sorted({r["budget"] for r in rows})
         sel = [[r for r in rows if r["budget"] == b and r["selection"] == selection] for b in budgets]
-        ax.plot([np.mean([r["skipped_share"] for r in s]) for s in sel],
-                [np.mean([r["agreement"] for r in s]) for s in sel], marker="o", label=selection)
+        ax.plot(
+            [np.mean([r["skipped_share"] for r in s]) for s in sel],
+            [np.mean([r["agreement"] for r in s]) for s in sel],
+            marker="o",
+            label=selection,
+        )
     ax.set_xlabel("share of the layers' weight bytes skipped")
     ax.set_ylabel("draft/target agreement (teacher-forced)")
     ax.legend()

@@ -22,8 +22,12 @@ import numpy as np
 from vllm_selfspec.control.step_costs import StepCostModel
 
 # (label, prompt tokens in the step?, fewest draft tokens, most draft tokens)
-KINDS = (("with prompt tokens", True, 0, 10**9), ("decode, no drafts", False, 0, 0),
-         ("decode, 1-24 draft tokens", False, 1, 24), ("decode, 25+ draft tokens", False, 25, 10**9))
+KINDS = (
+    ("with prompt tokens", True, 0, 10**9),
+    ("decode, no drafts", False, 0, 0),
+    ("decode, 1-24 draft tokens", False, 1, 24),
+    ("decode, 25+ draft tokens", False, 25, 10**9),
+)
 
 
 def replay(steps: list[list[float]]) -> tuple[np.ndarray, StepCostModel]:
@@ -34,8 +38,9 @@ def replay(steps: list[list[float]]) -> tuple[np.ndarray, StepCostModel]:
         predicted = np.nan
         if model.ready:
             c = model.target()
-            predicted = c.t0 + c.t_prompt * prompt + c.t_row * logit_rows + c.t_sampled * sampled + c.t_verify * (
-                drafts > 0)
+            predicted = (
+                c.t0 + c.t_prompt * prompt + c.t_row * logit_rows + c.t_sampled * sampled + c.t_verify * (drafts > 0)
+            )
         rows.append((prompt, logit_rows, sampled, drafts, seconds, predicted))
         model.observe_step(int(prompt), int(logit_rows), int(sampled), seconds, int(drafts))
     return np.array(rows, dtype=float).reshape(-1, 6), model
@@ -57,8 +62,10 @@ def main(argv=None) -> None:
     with open(args.steps) as f:
         rows, model = replay(json.load(f))
     prompt, drafts, seconds, predicted = rows[:, 0], rows[:, 3], rows[:, 4], rows[:, 5]
-    print(f"{len(rows)} steps, {seconds.sum():.1f} s; steps with prompt tokens: {(prompt > 0).sum()}, "
-          f"{seconds[prompt > 0].sum():.1f} s")
+    print(
+        f"{len(rows)} steps, {seconds.sum():.1f} s; steps with prompt tokens: {(prompt > 0).sum()}, "
+        f"{seconds[prompt > 0].sum():.1f} s"
+    )
     print("step | steps | measured ms (mean) | predicted ms (mean) | predicted / measured")
     for label, prefill, low, high in KINDS:
         chosen = ((prompt > 0) == prefill) & (drafts >= low) & (drafts <= high) & ~np.isnan(predicted)
@@ -68,8 +75,10 @@ def main(argv=None) -> None:
     print("final fit, ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in asdict(model.target()).items()))
     drafts, total = draft_share_of_prompt_steps(rows, model)
     if total:
-        print(f"drafts verified in steps with prompt tokens: {drafts:.2f} s of their {total:.1f} s "
-              f"({100 * drafts / total:.1f}%, by the final fit)")
+        print(
+            f"drafts verified in steps with prompt tokens: {drafts:.2f} s of their {total:.1f} s "
+            f"({100 * drafts / total:.1f}%, by the final fit)"
+        )
 
 
 if __name__ == "__main__":

@@ -33,9 +33,13 @@ class StepSplit:
 def alone(starts: list[float], latencies: list[float]) -> list[int]:
     """Indices of the requests that no other request overlapped in time."""
     spans = [(start, start + latency) for start, latency in zip(starts, latencies)]
-    return [i for i, (start, end) in enumerate(spans)
-            if not any(j != i and other_start < end and other_end > start
-                       for j, (other_start, other_end) in enumerate(spans))]
+    return [
+        i
+        for i, (start, end) in enumerate(spans)
+        if not any(
+            j != i and other_start < end and other_end > start for j, (other_start, other_end) in enumerate(spans)
+        )
+    ]
 
 
 def split(result: dict) -> StepSplit | None:
@@ -60,10 +64,15 @@ def main(argv=None) -> None:
         if not run.clean or (args.workload and run.workload != args.workload):
             continue
         found = split(run.result)
-        cells = (f"{found.requests_alone}/{found.requests} | {found.step_ms:.1f} | {found.tokens_per_step:.2f}"
-                 if found else f"0/{run.result['completed']} | - | -")
-        print(f"| {run.round} | {run.server.name} | {run.workload} | {run.point.label} | {cells} | "
-              f"{run.result['mean_tpot_ms']:.1f} |")
+        cells = (
+            f"{found.requests_alone}/{found.requests} | {found.step_ms:.1f} | {found.tokens_per_step:.2f}"
+            if found
+            else f"0/{run.result['completed']} | - | -"
+        )
+        print(
+            f"| {run.round} | {run.server.name} | {run.workload} | {run.point.label} | {cells} | "
+            f"{run.result['mean_tpot_ms']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,16 +30,17 @@ def main(argv=None) -> None:
     print(f"dtype {dtype.reason}", flush=True)
     print(f"cores {bind_worker_cores().reason}", flush=True)
     prompts = assets.load_prompts(args.workload)
-    llm = build_llm(args.model, dtype=dtype.dtype, max_model_len=2048, max_num_seqs=1,
-                    kv_cache_memory_bytes=1 << 30)
+    llm = build_llm(args.model, dtype=dtype.dtype, max_model_len=2048, max_num_seqs=1, kv_cache_memory_bytes=1 << 30)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
     for pair in args.where:
         index, token = map(int, pair.split("@"))
         output = llm.generate([prompts[index]], params, use_tqdm=False)[0].outputs[0]
         first, second = sorted(output.logprobs[token].values(), key=lambda lp: -lp.logprob)[:2]
-        print(f"{args.workload} prompt {index} token {token}: {first.decoded_token!r} {first.logprob:.4f}, "
-              f"{second.decoded_token!r} {second.logprob:.4f}, margin {first.logprob - second.logprob:.4f}",
-              flush=True)
+        print(
+            f"{args.workload} prompt {index} token {token}: {first.decoded_token!r} {first.logprob:.4f}, "
+            f"{second.decoded_token!r} {second.logprob:.4f}, margin {first.logprob - second.logprob:.4f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

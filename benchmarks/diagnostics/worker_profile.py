@@ -23,9 +23,17 @@ import time
 from pathlib import Path
 
 # Frames whose share of the worker's samples is printed.
-SHOWN = ("GPUModelRunner.execute_model", "GPUModelRunner._model_forward", "LlamaForCausalLM.compute_logits",
-         "GPUModelRunner._prepare_inputs", "GPUModelRunner.sample_tokens", "RejectionSampler.forward",
-         "GPUModelRunner.propose_draft_token_ids", "SelfAdmgProposer.propose_for_runner", "MessageQueue.dequeue")
+SHOWN = (
+    "GPUModelRunner.execute_model",
+    "GPUModelRunner._model_forward",
+    "LlamaForCausalLM.compute_logits",
+    "GPUModelRunner._prepare_inputs",
+    "GPUModelRunner.sample_tokens",
+    "RejectionSampler.forward",
+    "GPUModelRunner.propose_draft_token_ids",
+    "SelfAdmgProposer.propose_for_runner",
+    "MessageQueue.dequeue",
+)
 
 
 def shares(raw: Path) -> tuple[int, collections.Counter]:
@@ -68,25 +76,48 @@ def main(argv=None) -> None:
     prompts = assets.load_prompts("humaneval")
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / f"{args.method}.txt"
-    with VllmServer(model, *spec.args(common), log_path=args.out / f"{args.method}.log",
-                    env=spec.env(cores.binding)) as server:
-        asyncio.run(complete_all(server, prompts[:args.history], 64, 16))
+    with VllmServer(
+        model, *spec.args(common), log_path=args.out / f"{args.method}.log", env=spec.env(cores.binding)
+    ) as server:
+        asyncio.run(complete_all(server, prompts[: args.history], 64, 16))
         worker = next(p for p in psutil.Process(server.process.pid).children(recursive=True) if "Worker" in p.name())
-        recorder = subprocess.Popen([spy, "record", "--pid", str(worker.pid), "--duration", str(int(args.seconds) + 5),
-                                     "--rate", "100", "--format", "raw", "--nonblocking", "-o", str(raw)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        recorder = subprocess.Popen(
+            [
+                spy,
+                "record",
+                "--pid",
+                str(worker.pid),
+                "--duration",
+                str(int(args.seconds) + 5),
+                "--rate",
+                "100",
+                "--format",
+                "raw",
+                "--nonblocking",
+                "-o",
+                str(raw),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client, steps, start = OpenAI(base_url=server.url() + "/v1", api_key="-"), [], time.perf_counter()
-        for prompt in prompts[args.history:]:
-            times = [time.perf_counter() for _ in client.completions.create(
-                model=model, prompt=prompt, max_tokens=64, temperature=0, stream=True)]
+        for prompt in prompts[args.history :]:
+            times = [
+                time.perf_counter()
+                for _ in client.completions.create(
+                    model=model, prompt=prompt, max_tokens=64, temperature=0, stream=True
+                )
+            ]
             if len(times) > 2:
                 steps.append((times[-1] - times[0]) / (len(times) - 1))
             if time.perf_counter() - start > args.seconds:
                 break
         recorder.wait()
     total, inclusive = shares(raw)
-    print(f"{args.method}: {len(steps)} requests, {1e3 * statistics.mean(steps):.1f} ms a streamed step; "
-          f"{total} samples of the worker ({raw}):")
+    print(
+        f"{args.method}: {len(steps)} requests, {1e3 * statistics.mean(steps):.1f} ms a streamed step; "
+        f"{total} samples of the worker ({raw}):"
+    )
     for frame in SHOWN:
         print(f"  {100 * inclusive[frame] / max(total, 1):5.1f}%  {frame}")
 

@@ -19,8 +19,7 @@ from vllm_selfspec.control.lookup_gate import LookupGate
 from vllm_selfspec.control.planner import DraftPlan, DraftPlanner, RowOffer
 from vllm_selfspec.control.step_costs import StepCostModel
 
-__all__ = ["AcceptanceRate", "BinPrior", "DraftController", "DraftPlan", "DraftSource", "LookupExpectation",
-           "RowOffer"]
+__all__ = ["AcceptanceRate", "BinPrior", "DraftController", "DraftPlan", "DraftSource", "LookupExpectation", "RowOffer"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +41,9 @@ class DraftController:
         self.planner = DraftPlanner(self.costs, self.acceptance)
 
     # What happened.
-    def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float,
-                     draft_tokens: int = 0) -> None:
+    def observe_step(
+        self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float, draft_tokens: int = 0
+    ) -> None:
         self.costs.observe_step(prompt_tokens, logit_rows, sampled_rows, seconds, draft_tokens)
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
@@ -52,8 +52,9 @@ class DraftController:
     def observe_probe(self, rows: int, seconds: float) -> None:
         self.costs.observe_probe(rows, seconds)
 
-    def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int,
-                      bins: list[BinPrior] = (), estimated: float = 0.0) -> None:
+    def observe_draft(
+        self, req_id: str, source: str, drafted: int, accepted: int, bins: list[BinPrior] = (), estimated: float = 0.0
+    ) -> None:
         self.acceptance.observe_draft(req_id, source, drafted, accepted, bins, estimated)
 
     def observe_lookup(self, rows: int, seconds: float) -> None:
@@ -83,5 +84,6 @@ class DraftController:
         """The tokens of the first `length` of a row's lookup draft that the planner expects
         verification to accept, as it plans with them and unscaled."""
         estimates = self.acceptance.lookup_gains(offer, scaled=False)[:length]
-        return LookupExpectation(float(sum(self.acceptance.scaled(offer.lookup_source, estimates))),
-                                 float(sum(estimates)))
+        return LookupExpectation(
+            float(sum(self.acceptance.scaled(offer.lookup_source, estimates))), float(sum(estimates))
+        )

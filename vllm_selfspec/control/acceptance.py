@@ -73,8 +73,7 @@ def agreement(probs: tuple[float, ...]) -> list[float]:
     return [p / previous for p, previous in zip(probs, (1.0, *probs))]
 
 
-def token_bins(source: str, probs: tuple[float, ...], match: int, length: int,
-               sampled: bool = False) -> list[tuple]:
+def token_bins(source: str, probs: tuple[float, ...], match: int, length: int, sampled: bool = False) -> list[tuple]:
     """Each lookup draft token's calibration bin: its source, whether its row samples (a
     sampled row accepts a token with the target's probability of it, a greedy row only if it
     is the argmax: rates learned on one say little about the other), its match-length bucket
@@ -83,8 +82,10 @@ def token_bins(source: str, probs: tuple[float, ...], match: int, length: int,
     if not probs:
         return [(source, sampled)] * length
     match_bucket = bisect.bisect_right(MATCH_EDGES, match)
-    return [(source, sampled, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, share))
-            for share in agreement(probs[:length])]
+    return [
+        (source, sampled, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, share))
+        for share in agreement(probs[:length])
+    ]
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,11 @@ class BinPrior:
 
 
 def default_rates() -> dict[DraftSource, AcceptanceRate]:
-    return {DraftSource.LOOKUP: AcceptanceRate(prior=0.6), DraftSource.HISTORY: AcceptanceRate(prior=0.4),
-            DraftSource.SELF: AcceptanceRate(prior=0.7)}
+    return {
+        DraftSource.LOOKUP: AcceptanceRate(prior=0.6),
+        DraftSource.HISTORY: AcceptanceRate(prior=0.4),
+        DraftSource.SELF: AcceptanceRate(prior=0.7),
+    }
 
 
 @dataclass
@@ -135,7 +139,8 @@ class AcceptanceModel:
     _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
     # Per lookup source, verification's outcome over the unscaled estimates of the drafts chosen.
     estimate_calibration: dict[DraftSource, EstimateCalibration] = field(
-        default_factory=lambda: {DraftSource.LOOKUP: EstimateCalibration(), DraftSource.HISTORY: EstimateCalibration()})
+        default_factory=lambda: {DraftSource.LOOKUP: EstimateCalibration(), DraftSource.HISTORY: EstimateCalibration()}
+    )
 
     def rate(self, source: str) -> float:
         return self.rates[DraftSource(source)].rate
@@ -144,8 +149,9 @@ class AcceptanceModel:
     def self_rate(self) -> float:
         return self.rates[DraftSource.SELF].rate
 
-    def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int,
-                      bins: list[BinPrior] = (), estimated: float = 0.0) -> None:
+    def observe_draft(
+        self, req_id: str, source: str, drafted: int, accepted: int, bins: list[BinPrior] = (), estimated: float = 0.0
+    ) -> None:
         """What verification made of a row's draft from `source`, with its lookup tokens'
         calibration (`calibration`) and the tokens their unscaled estimates expected accepted
         (`lookup_gains(..., scaled=False)`)."""
@@ -158,7 +164,7 @@ class AcceptanceModel:
             if key not in self._by_request:
                 self._by_request[key] = AcceptanceRate(prior=overall.rate, decay=0.95)
             self._by_request[key].observe(drafted, accepted)
-        for j, token in enumerate(bins[:min(accepted + 1, drafted)]):  # accepted, the first rejected
+        for j, token in enumerate(bins[: min(accepted + 1, drafted)]):  # accepted, the first rejected
             if token.bin not in self._by_bin:
                 self._by_bin[token.bin] = AcceptanceRate(prior=min(token.prior, 0.999))
             self._by_bin[token.bin].observe(1, int(j < accepted))

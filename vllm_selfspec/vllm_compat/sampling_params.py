@@ -26,14 +26,24 @@ def apply() -> None:
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
         if is_self_admg_config(vllm_config.speculative_config) and not is_pooling_model and not custom_logitsprocs:
             return logits_processor.LogitsProcessors(
-                ctor(vllm_config, device, is_pin_memory) for ctor in logits_processor.BUILTIN_LOGITS_PROCESSORS)
+                ctor(vllm_config, device, is_pin_memory) for ctor in logits_processor.BUILTIN_LOGITS_PROCESSORS
+            )
         return original(gpu_model_runner, "build_logitsprocs")(
-            vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+            vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs
+        )
 
-    patch(SamplingParams, "_validate_spec_decode", _validate_spec_decode,
-          "accept min_p and logit_bias: self-admg serves such rows without drafts")
-    patch(gpu_model_runner, "build_logitsprocs", build_logitsprocs,
-          "give a self-admg engine vLLM's built-in logits processors (min_p, logit_bias)")
+    patch(
+        SamplingParams,
+        "_validate_spec_decode",
+        _validate_spec_decode,
+        "accept min_p and logit_bias: self-admg serves such rows without drafts",
+    )
+    patch(
+        gpu_model_runner,
+        "build_logitsprocs",
+        build_logitsprocs,
+        "give a self-admg engine vLLM's built-in logits processors (min_p, logit_bias)",
+    )
 
 
 def needs_plain_sampling(params) -> bool:

@@ -10,9 +10,11 @@ from vllm_selfspec.vllm_compat.patching import patch
 
 
 def is_self_admg_config(speculative_config) -> bool:
-    return (speculative_config is not None
-            and speculative_config.method == "custom_class"
-            and speculative_config.model == PROPOSER_PATH)
+    return (
+        speculative_config is not None
+        and speculative_config.method == "custom_class"
+        and speculative_config.model == PROPOSER_PATH
+    )
 
 
 def apply() -> None:
@@ -25,5 +27,9 @@ def apply() -> None:
             return self.num_speculative_tokens
         return vllm_lookahead(self)
 
-    patch(VllmConfig, "num_lookahead_tokens", property(num_lookahead_tokens, doc=vllm_lookahead.__doc__),
-          "reserve K slots past the verified range for the draft's KV")
+    patch(
+        VllmConfig,
+        "num_lookahead_tokens",
+        property(num_lookahead_tokens, doc=vllm_lookahead.__doc__),
+        "reserve K slots past the verified range for the draft's KV",
+    )
