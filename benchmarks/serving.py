@@ -570,6 +570,9 @@ def baselines(run: Run, plain: dict[tuple, list[Run]]) -> list[Run]:
     """The plain runs `run` is compared with: of those it names (Run.baseline_key), the ones
     beside it in its round if any (this VM's speed drifts between servers minutes apart), else all."""
     named = [base for base in plain.get(run.baseline_key(), []) if base is not run]
+    if not named and run.server.method == "plain" and run.server.default_cores:
+        # No plain run on every core to compare with: its own others, the noise.
+        named = [base for base in plain.get(run.baseline_key()[:3] + (True,), []) if base is not run]
     return [base for base in named if abs(base.slot - run.slot) == 1] or named
 
 
@@ -704,12 +707,16 @@ def verdicts(rows: list[dict]) -> list[str]:
     """Per workload, load point and method, each metric's rounds against plain's own spread
     there (plain runs against each other): faster or slower only when every round lies beyond
     it, else level. With one plain run a round there is no spread: the verdict says so."""
-    plain = {(r["workload"], r["load"]): r for r in rows if r["server"] == "plain"}
+
+    def key(row):  # a server's name is its method, then its cores if not every core: "plain (default cores)"
+        return row["workload"], row["load"], row["server"].partition(" ")[2]
+
+    plain = {key(r): r for r in rows if r["server"].partition(" ")[0] == "plain"}
     lines = []
     for row in rows:
-        if row["server"] == "plain" or (row["workload"], row["load"]) not in plain:
+        if row["server"].partition(" ")[0] == "plain" or key(row) not in plain:
             continue
-        noise_row, parts = plain[(row["workload"], row["load"])], []
+        noise_row, parts = plain[key(row)], []
         for column, name, above_is_faster in VERDICT_METRICS:
             mine, noise = _range(row.get(column, "")), _range(noise_row.get(column, ""))
             if mine is None:
