@@ -23,6 +23,15 @@ from conftest import (
 from reference import hf_similarities
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+# Self-drafts that skip no sublayer and never exit early: every draft token must be accepted.
+SKIP_NOTHING = {
+    "method": "self-admg",
+    "num_speculative_tokens": 3,
+    **SELF_DRAFTS_ONLY,
+    "attention_threshold": 1.0,
+    "mlp_threshold": 1.0,
+    "draft_exit_threshold": 0.0,
+}
 
 
 def generate(llm, prompt_ids, params=GREEDY):
@@ -38,14 +47,7 @@ def plain_ids(plain_tiny, tiny_prompt_ids):
 def admg_none(tiny_model_path):
     llm = make_llm(
         tiny_model_path,
-        speculative_config={
-            "method": "self-admg",
-            "num_speculative_tokens": 3,
-            **SELF_DRAFTS_ONLY,
-            "attention_threshold": 1.0,
-            "mlp_threshold": 1.0,
-            "draft_exit_threshold": 0.0,
-        },
+        speculative_config=SKIP_NOTHING,
     )
     yield llm
     close_llm(llm)
@@ -235,14 +237,7 @@ def test_compiled_target_engine(tiny_model_path, tiny_prompt_ids, plain_ids):
     llm = make_llm(
         tiny_model_path,
         enforce_eager=False,
-        speculative_config={
-            "method": "self-admg",
-            "num_speculative_tokens": 3,
-            **SELF_DRAFTS_ONLY,
-            "attention_threshold": 1.0,
-            "mlp_threshold": 1.0,
-            "draft_exit_threshold": 0.0,
-        },
+        speculative_config=SKIP_NOTHING,
     )
     try:
         from vllm.config import CompilationMode
