@@ -5,8 +5,10 @@ target model through `load_model`, and calls `propose_for_runner` after every st
 1. learn: what the step that just ran cost, and how much of each row's draft was accepted;
 2. offer: each row's lookup draft, from its own context or earlier outputs (`lookup`);
 3. plan: how many tokens of which source pay this step, possibly none (`control`);
-4. draft: take the planned lookup tokens, and self-draft the rest (`self_draft`);
-5. return ragged lists of draft tokens, which vLLM's scorer and rejection sampler verify.
+4. agree: one small all-reduce across tensor-parallel ranks, so that a fault on any rank costs
+   every rank this step's drafts alike (`fail_safe`); steps 1-3 are rank-local;
+5. draft: take rank 0's plan, the planned lookup tokens, and self-draft the rest (`self_draft`);
+6. return ragged lists of draft tokens, which vLLM's scorer and rejection sampler verify.
 Every draft is a point mass (greedy or looked up), so rejection sampling reproduces the target's
 distribution exactly.
 """
