@@ -248,13 +248,12 @@ class TenantHistories:
         if tenant is UNKNOWN_TENANT:
             return
         pool = self.pools.pop(tenant, None)
+        counted = 0 if pool is None else len(pool)  # a new pool is not in the total yet
         if pool is None:
             pool = OutputHistory(self.max_tokens)
-            self._total += len(pool)
         self.pools[tenant] = pool  # the most recently used last
-        self._total -= len(pool)
         pool.add(output)
-        self._total += len(pool)
+        self._total += len(pool) - counted
         while self._total > self.max_tokens:
             oldest_tenant, oldest = next(iter(self.pools.items()))
             self._total -= oldest.drop(self._total - self.max_tokens)
