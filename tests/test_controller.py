@@ -295,27 +295,23 @@ def test_a_draft_that_only_breaks_even_is_not_made():
         assert (sum(plan.lookup_lengths) > 0) == drafts
 
 
-def test_requests_waiting_for_admission_raise_what_a_draft_must_gain():
-    """At capacity prompts queue, and every second a draft adds to the step delays each queued
-    request's first token: a draft that beats the batch's rate by the margin is made with no
-    queue, and not with a queue as long as the batch; one that gains far more still is. With
-    nothing waiting (light load) the plan is unchanged."""
-    from vllm_selfspec.control.planner import DRAFT_MARGIN
+def test_a_step_a_new_prompt_waits_for_stays_within_the_slack_of_plains():
+    """When a prompt will wait for the step (queued, or sent as a request ends), the step may be
+    at most FIRST_TOKEN_SLACK longer than plain decoding's, however well drafts pay; with none
+    waiting the plan is unchanged. Verification's own fixed cost counts against the slack."""
+    from vllm_selfspec.control.planner import FIRST_TOKEN_SLACK
 
-    t0, t1 = 0.03, 0.0005  # 45 rows: a 52.5 ms step, 857 tokens a second; a draft token 0.5 ms
+    t0, t1 = 0.03, 0.0005  # 45 rows: a 52.5 ms step; a draft token 0.5 ms
     step = t0 + 45 * t1
-    margin = (1 + DRAFT_MARGIN) * 45 / step * t1  # what a token must be worth with nothing waiting: 0.51
-    queue = 45 / step * t1  # and what 45 queued requests add: 0.43
-    for accepted, waiting, drafts in (
-        (margin + 0.1, 0, True),
-        (margin + 0.1, 45, False),
-        (margin + queue + 0.03, 45, True),
-    ):
-        controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=accepted, self_rate=0.1)
-        offers = lookup_rows(*[1] * 45)
-        assert (sum(controller.plan(offers, self_budget=0, waiting=waiting).lookup_lengths) > 0) == drafts
-        if not waiting:
-            assert controller.plan(offers, self_budget=0) == controller.plan(offers, self_budget=0, waiting=0)
+    fit = int(FIRST_TOKEN_SLACK * step / t1)  # 5 draft tokens fit in 2.6 ms
+    controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=0.9, self_rate=0.1)
+    offers = lookup_rows(*[3] * 45)
+    assert sum(controller.plan(offers, self_budget=0).lookup_lengths) >= 45  # with none waiting
+    assert controller.plan(offers, self_budget=0) == controller.plan(offers, self_budget=0, prompts_waiting=False)
+    assert sum(controller.plan(offers, self_budget=0, prompts_waiting=True).lookup_lengths) == fit == 5
+    dear_verification = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=0.9, self_rate=0.1, t_verify=3 * t1 * fit)
+    assert sum(dear_verification.plan(offers, self_budget=0).lookup_lengths) > 0
+    assert sum(dear_verification.plan(offers, self_budget=0, prompts_waiting=True).lookup_lengths) == 0
 
 
 def observe_shares(calibration, accepted_share: float, drafts: int = 2000) -> None:

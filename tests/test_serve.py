@@ -112,6 +112,7 @@ def test_operators_read_the_proposer_on_metrics_without_dev_mode(servers):
         "drafting_disabled",
         "draft_tokens_total",
         "lookup_tokens_accepted_total",
+        "draft_tokens_withheld_total",
         "probes_total",
         "probe_seconds_total",
         "proposer_steps_total",

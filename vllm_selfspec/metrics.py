@@ -12,7 +12,8 @@ Exposed, each with a `rank` label (the tensor-parallel rank):
   vllm:self_admg_faults_total, vllm:self_admg_steps_skipped_for_faults_total,
   vllm:self_admg_drafting_disabled (0 or 1),
   vllm:self_admg_draft_tokens_total{source="self"|"context"|"history"},
-  vllm:self_admg_lookup_tokens_accepted_total, vllm:self_admg_probes_total,
+  vllm:self_admg_lookup_tokens_accepted_total, vllm:self_admg_draft_tokens_withheld_total,
+  vllm:self_admg_probes_total,
   vllm:self_admg_probe_seconds_total, vllm:self_admg_proposer_steps_total,
   vllm:self_admg_proposer_seconds_total (its rate over steps' rate: proposer time per step),
   vllm:self_admg_requests_holding_state (requests the proposer keeps a skip mask for).
@@ -45,6 +46,10 @@ METRICS = {
     "drafting_disabled": ("gauge", "1 once self-admg switched itself off after faults (plain decoding)"),
     "draft_tokens": ("counter", "Draft tokens proposed, by source: self (layer-skipping), context, history"),
     "lookup_tokens_accepted": ("counter", "Lookup draft tokens verification accepted"),
+    "draft_tokens_withheld": (
+        "counter",
+        "Draft tokens not verified: withheld beside a prompt's prefill, or cut at max_model_len",
+    ),
     "probes": ("counter", "Prompts whose residual stream was measured for a self-draft"),
     "probe_seconds": ("counter", "Seconds spent measuring prompts"),
     "proposer_steps": ("counter", "Steps the proposer was asked for drafts"),

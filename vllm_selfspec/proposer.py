@@ -181,7 +181,7 @@ class SelfAdmgProposer:
             for row, budget, (source, draft) in zip(rows, budgets, found)
         ]
         return PreparedStep(
-            step, budgets, found, offers, self._plan(offers, max(budgets, default=0), step.waiting_requests)
+            step, budgets, found, offers, self._plan(offers, max(budgets, default=0), self._prompts_waiting(step))
         )
 
     def _draft(self, prepared: PreparedStep, common_attn_metadata) -> list[list[int]]:
@@ -243,6 +243,7 @@ class SelfAdmgProposer:
         for row in step.rows:
             made = self._drafted.get(row.req_id)
             verified = min(made.length, step.verified_draft_tokens(row.req_id)) if made else 0
+            self.counters.draft_tokens_withheld += made.length - verified if made else 0
             if verified:  # (the scheduler may have cut a draft short)
                 accepted = min(step.accepted(row.index), verified)
                 self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.bins, made.estimated)
@@ -275,14 +276,18 @@ class SelfAdmgProposer:
             self.controller.observe_lookup(looked_up, time.perf_counter() - start)
         return found
 
-    def _plan(self, offers: list[RowOffer], self_budget: int, waiting: int) -> DraftPlan:
-        """How much of each kind of draft pays this step (everything offered, if not adaptive),
-        given the requests `waiting` for admission."""
+    def _prompts_waiting(self, step: StepView) -> bool:
+        """Whether a new prompt will wait for the next step: requests are queued for admission,
+        or, in a server, a request ends with this step and its client sends the next one."""
+        return step.waiting_requests > 0 or (not self.closed_batches and step.finishing_rows > 0)
+
+    def _plan(self, offers: list[RowOffer], self_budget: int, prompts_waiting: bool) -> DraftPlan:
+        """How much of each kind of draft pays this step (everything offered, if not adaptive)."""
         fault_point("plan")
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
         draining = self.closed_batches and self._steps_since_admission > DRAIN_AFTER_STEPS
-        return self.controller.plan(offers, self_budget, draining, waiting)
+        return self.controller.plan(offers, self_budget, draining, prompts_waiting)
 
     def _shared(self, plan: DraftPlan, rows: int) -> DraftPlan:
         """Rank 0's plan on every rank: each rank plans from its own step timings (and, should a

@@ -32,6 +32,9 @@ class ProposerCounters:
     lookup_accepted: int = 0
     lookup_expected: float = 0.0
     lookup_estimated: float = 0.0  # the same before the planner's calibration scaled them
+    # Drafts made but not verified: the scheduler withheld them beside a prefill, or cut them
+    # at max_model_len.
+    draft_tokens_withheld: int = 0
     # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
     # MLP similarity, mask). Bounded, so a long-running server does not grow it.
     measurements: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -95,6 +98,7 @@ def metrics_snapshot(drafter) -> dict:
             "history": counters.history_tokens,
         },
         "lookup_tokens_accepted": counters.lookup_accepted,
+        "draft_tokens_withheld": counters.draft_tokens_withheld,
         "probes": counters.prompts_measured,
         "probe_seconds": counters.probe_seconds,
         "proposer_steps": counters.propose_calls,

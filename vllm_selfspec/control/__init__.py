@@ -67,8 +67,10 @@ class DraftController:
         self.acceptance.forget(req_id)
 
     # What to do.
-    def plan(self, offers: list[RowOffer], self_budget: int, draining: bool = False, waiting: int = 0) -> DraftPlan:
-        return self.planner.plan(offers, self_budget, draining, waiting)
+    def plan(
+        self, offers: list[RowOffer], self_budget: int, draining: bool = False, prompts_waiting: bool = False
+    ) -> DraftPlan:
+        return self.planner.plan(offers, self_budget, draining, prompts_waiting)
 
     def look_up_next(self, rows: int) -> bool:
         """Whether to look up next step, for a batch of `rows` (`lookup_gate`)."""

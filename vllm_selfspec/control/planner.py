@@ -16,11 +16,16 @@ are break-even at best: drafting them left the time per token level and made fir
 later (benchmarks/NOTES.md, "past capacity, break-even drafts cost first tokens"). At light
 load a draft token beats the rate many times over, and the margin changes little.
 
-Requests waiting. At capacity prompts queue for admission, and every second a draft adds to the
-step delays each queued request's first token by as much. A queued request would yield a token
-per plain step once admitted, so a second of delay costs the queue W / (plain step) tokens: a
-draft token must beat the rate by the margin plus that (`queue_rate`). With no queue (light
-load) nothing changes.
+First tokens waiting. A prompt that arrives waits for the step in progress, then for the
+step that prefills it; a step made longer by drafts delays its first token by as much. When the
+planner knows a prompt will wait for the step it plans, that step may be at most
+FIRST_TOKEN_SLACK longer than plain decoding's. It knows two cases: requests queued for
+admission (an open queue past capacity), and rows that finish in the step just run (at capacity,
+clients that hold a number of requests in flight send a new one as soon as one ends, during the
+next step). The step that prefills a prompt verifies no drafts at all (the scheduler's side,
+`vllm_compat.scheduler_queue`). At light load a prompt arrives at a random moment, unforeseen,
+and waits on average half of whatever step is in progress: that is the price of a longer step,
+set against its tokens by the margin.
 
 Draining batches. The steady plan values a row's accepted token as the step time it frees for
 someone else. When no request has been admitted for a while (an offline batch finishing), a
@@ -48,6 +53,7 @@ from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, token
 from vllm_selfspec.control.step_costs import StepCostModel
 
 DRAFT_MARGIN = 0.2  # a draft token's gain per second must beat the step's rate by this share
+FIRST_TOKEN_SLACK = 0.05  # how much longer than plain's a step a new prompt waits for may be
 FIRST_RETRY_AFTER = 16  # steps without self-drafting before a retry; doubles after each
 LAST_RETRY_AFTER = 1024
 
@@ -117,13 +123,12 @@ class Choice:
     def rate(self) -> float:
         return self.tokens / self.seconds
 
-    def beats(self, plain: Choice, queue_rate: float = 0.0) -> bool:
+    def beats(self, plain: Choice) -> bool:
         """Whether the tokens this plan adds to plain decoding's come faster than plain
-        decoding's own, by the margin, and than the queue's first tokens it delays."""
+        decoding's own, by the margin."""
         added_seconds = self.seconds - plain.seconds
         return self.tokens > plain.tokens and (
-            added_seconds <= 0
-            or (self.tokens - plain.tokens) / added_seconds > (1 + DRAFT_MARGIN) * plain.rate + queue_rate
+            added_seconds <= 0 or (self.tokens - plain.tokens) / added_seconds > (1 + DRAFT_MARGIN) * plain.rate
         )
 
 
@@ -134,10 +139,13 @@ class DraftPlanner:
     retry_after: int = FIRST_RETRY_AFTER
     _idle_steps: int = 0
 
-    def plan(self, offers: list[RowOffer], self_budget: int, draining: bool = False, waiting: int = 0) -> DraftPlan:
+    def plan(
+        self, offers: list[RowOffer], self_budget: int, draining: bool = False, prompts_waiting: bool = False
+    ) -> DraftPlan:
         """Draft lengths for one step over these rows (every row that sampled a token);
-        `draining`: no request admitted lately, so only the batch's end counts; `waiting`:
-        requests queued for admission, whose first tokens every added second delays."""
+        `draining`: no request admitted lately, so only the batch's end counts;
+        `prompts_waiting`: a new prompt will wait for this step, which may then be at most
+        FIRST_TOKEN_SLACK longer than plain decoding's (and retries wait)."""
         if not self.costs.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup_tokens for o in offers], 0, False, [False] * len(offers))
         step = self.costs.target()
@@ -151,16 +159,17 @@ class DraftPlanner:
             for i, o in enumerate(offers)
             if o.can_self_draft and (not o.lookup_tokens or (self.costs.self_step_measured and gains[i][0] < a_self))
         ]
-        if draining and len(offers) > 1:  # (one row's end is the batch's: the steady plan is that)
+        # (One row's end is the batch's: the steady plan is that.)
+        if draining and len(offers) > 1 and not prompts_waiting:
             choice = self._drain(offers, gains, cost, step.t0, step.t_verify, self_budget)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
             # step, on up to K/(K+1) of the steps left to the batch's end.
             self_step = self.costs.self_step_seconds(len(self_rows))
             choice.best_self_saving = (step.t0 - self_step - step.t_verify) * max(o.tokens_left for o in offers)
         else:
-            choice = self._steady(offers, gains, cost, step.t0, step.t_verify, self_rows, self_budget, waiting)
+            choice = self._steady(offers, gains, cost, step.t0, step.t_verify, self_rows, self_budget, prompts_waiting)
         explored = False
-        if self_rows and choice.self_length == 0 and self_budget:
+        if self_rows and choice.self_length == 0 and self_budget and not prompts_waiting:
             explored = self._maybe_retry(offers, self_rows, choice, self_budget)
         elif choice.self_length > 0:
             self._idle_steps, self.retry_after = 0, FIRST_RETRY_AFTER
@@ -168,35 +177,34 @@ class DraftPlanner:
             choice.lookup_lengths, choice.self_length, explored, [i in choice.self_rows for i in range(len(offers))]
         )
 
-    def _steady(self, offers, gains, cost, t0, t_verify, self_rows, self_budget, waiting=0) -> Choice:
+    def _steady(self, offers, gains, cost, t0, t_verify, self_rows, self_budget, prompts_waiting=False) -> Choice:
         """The plan with the most tokens per second: lookup only, or self-drafts for
         `self_rows` with lookup for the rest (so a row that self-drafting does not pay for keeps
-        its lookup draft). Each request waiting for admission would have had a token per plain
-        step once admitted: a second added to the step costs it 1 / (plain step) tokens."""
+        its lookup draft); no longer than plain's by more than FIRST_TOKEN_SLACK if
+        `prompts_waiting`."""
         plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=t0 + sum(cost))
-        queue_rate = waiting / plain.seconds
+        max_seconds = plain.seconds * (1 + FIRST_TOKEN_SLACK) if prompts_waiting else math.inf
         self_token_cost = self._self_token_cost(cost, self_rows)
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
-        best = self._greedy(offers, gains, cost, verifying, queue_rate=queue_rate)
+        best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds)
         if self_rows and self.costs.self_step_measured and self_budget:
             with_self = self._greedy(
-                offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, queue_rate
+                offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, max_seconds
             )
             unpaid = self._unpaid_probes(offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
             if unpaid:  # plan again without them (they may still take their lookup drafts)
                 kept = [i for i in self_rows if i not in unpaid]
+                kept_cost = self._self_token_cost(cost, kept)
                 with_self = (
-                    self._greedy(
-                        offers, gains, cost, verifying, kept, self_budget, self._self_token_cost(cost, kept), queue_rate
-                    )
+                    self._greedy(offers, gains, cost, verifying, kept, self_budget, kept_cost, max_seconds)
                     if kept
                     else best
                 )
             if with_self.self_length and with_self.rate > best.rate:
                 best = with_self
-        if not best.beats(plain, queue_rate):
+        if not best.beats(plain):
             best = plain
         # The retries' best case stays over every row that would rather self-draft: a retry
         # prices its own probe (_retry_pays).
@@ -248,10 +256,11 @@ class DraftPlanner:
         return best_saving > self.costs.self_step_seconds(len(retry_rows)) + probe
 
     def _greedy(
-        self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0, queue_rate=0.0
+        self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0, max_seconds=math.inf
     ) -> Choice:
         """Add draft tokens, best gain per second first, while each beats the step's rate so far
-        by the margin, plus what a second of delay costs the requests queued (`queue_rate`)."""
+        by the margin and the step stays within `max_seconds` (a token that does not fit is
+        left, with the deeper tokens of its row)."""
         tokens, seconds = start
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
         # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
@@ -265,8 +274,10 @@ class DraftPlanner:
         if self_rows and self_budget:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
         heapq.heapify(candidates)
-        while candidates and -candidates[0][0] > (1 + DRAFT_MARGIN) * tokens / seconds + queue_rate:
+        while candidates and -candidates[0][0] > (1 + DRAFT_MARGIN) * tokens / seconds:
             _, kind, i, depth = heapq.heappop(candidates)
+            if seconds + (cost[i] if kind == "lookup" else self_token_cost) > max_seconds:
+                continue
             if kind == "lookup":
                 choice.lookup_lengths[i] = depth
                 tokens, seconds = tokens + gains[i][depth - 1], seconds + cost[i]

@@ -64,6 +64,18 @@ class StepView:
         cached = self.scheduler_output.scheduled_cached_reqs
         return any(req_id not in cached.resumed_req_ids for req_id in cached.req_ids)
 
+    @property
+    def finishing_rows(self) -> int:
+        """Rows whose request ends with this step's tokens: at max_tokens, or on an end-of-sequence
+        or stop token (stop strings end requests later, in the front end)."""
+        finishing = 0
+        for row in self.rows:
+            params = self.runner.requests[row.req_id].sampling_params
+            last = self.sampled_token_ids[row.index][-1]
+            stops = set(params.stop_token_ids or ()) | {params.eos_token_id} if params is not None else set()
+            finishing += (row.tokens_left is not None and row.tokens_left <= 0) or last in stops
+        return finishing
+
     def tenant(self, row: int):
         """The row's tenant (`request_tenant.tenant_of`)."""
         from vllm_selfspec.vllm_compat.request_tenant import tenant_of
