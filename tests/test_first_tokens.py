@@ -1,28 +1,49 @@
 """What keeps a new prompt's first token as early as under plain decoding in a server: the
-scheduler withholds drafts in a step that prefills, and the worker knows when a prompt will
+scheduler withholds drafts in a step about to prefill, and the worker knows when a prompt will
 wait for the step it plans (the planner's cap is tested in test_controller.py)."""
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
 
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
-from vllm_selfspec.vllm_compat.scheduler_queue import waiting_requests, withhold_drafts_beside_prefill
+from vllm_selfspec.vllm_compat.scheduler_queue import ATTRIBUTE, schedule_for_first_tokens, waiting_requests
 
 
-def scheduler(waiting=0, running_full=False, prefilling=False, closed_batches=False):
-    running = [SimpleNamespace(spec_token_ids=[5, 6], is_prefill_chunk=False) for _ in range(3)]
-    running[-1].is_prefill_chunk = prefilling
-    if prefilling:
-        running[-1].spec_token_ids = []
-    return SimpleNamespace(
-        vllm_config=SimpleNamespace(additional_config={CLOSED_BATCHES_KEY: True} if closed_batches else {}),
-        running=running,
-        max_num_running_reqs=3 if running_full else 8,
-        get_request_counts=lambda: (len(running), waiting),
-    )
+class FakeScheduler:
+    """What the rule reads of vLLM 0.32's `Scheduler` (its names are checked against vLLM's
+    source below); `admits` says whether vLLM's schedule admits the waiting requests."""
+
+    def __init__(self, waiting=0, slots=8, prefilling=False, closed_batches=False, blocked=0, paused=False):
+        from vllm.v1.core.sched.interface import PauseState
+
+        self.vllm_config = SimpleNamespace(additional_config={CLOSED_BATCHES_KEY: True} if closed_batches else {})
+        self.running = [SimpleNamespace(spec_token_ids=[5, 6], is_prefill_chunk=False) for _ in range(3)]
+        self.running[-1].is_prefill_chunk = prefilling
+        self.waiting, self.deferred_waiting = waiting, set(range(blocked))
+        self.max_num_active_reqs, self.num_waiting_for_streaming_input = slots, 0
+        self._pause_state = PauseState.PAUSED_NEW if paused else PauseState.UNPAUSED
+        self.admits = True
+        self.drafts_scheduled = None
+
+    def get_request_counts(self):
+        return len(self.running), self.waiting
+
+    def vllm_schedule(self):
+        """vLLM's schedule, as far as the rule sees it: the drafts it finds, whom it admits."""
+        self.drafts_scheduled = [list(r.spec_token_ids) for r in self.running if not r.is_prefill_chunk]
+        admitted = self.waiting if self.admits else 0
+        self.waiting -= admitted
+        return SimpleNamespace(
+            scheduled_new_reqs=[object()] * admitted, scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())
+        )
+
+    def step(self):
+        output = schedule_for_first_tokens(self, self.vllm_schedule)
+        return not any(self.drafts_scheduled), output
 
 
 @pytest.mark.parametrize(
@@ -31,24 +52,72 @@ def scheduler(waiting=0, running_full=False, prefilling=False, closed_batches=Fa
         (dict(), False),
         (dict(waiting=2), True),
         (dict(prefilling=True), True),
-        (dict(waiting=2, running_full=True), False),  # they wait for a slot, which drafts hasten
+        (dict(waiting=2, slots=3), False),  # they wait for a slot, which drafts hasten
+        (dict(waiting=2, blocked=2), False),  # both wait for a grammar or remote KV
+        (dict(waiting=2, paused=True), False),
         (dict(waiting=2, closed_batches=True), False),  # offline: a first token is worth nothing early
     ],
 )
-def test_a_step_that_will_prefill_verifies_no_drafts_in_a_server(case, withheld):
-    s = scheduler(**case)
-    assert withhold_drafts_beside_prefill(s) == withheld
-    decoding = [r for r in s.running if not r.is_prefill_chunk]
-    assert all((r.spec_token_ids == []) == withheld for r in decoding)
+def test_a_step_about_to_prefill_verifies_no_drafts_in_a_server(case, withheld):
+    """vLLM's schedule finds the drafts cleared exactly when the step will admit or continue
+    a prefill."""
+    assert FakeScheduler(**case).step()[0] == withheld
 
 
-def test_a_scheduler_output_without_the_count_says_none_wait():
+def test_a_queue_that_cannot_move_stops_withholding_until_the_counts_change():
+    """Withholding that admitted nobody (a full KV cache, say) is not repeated while nothing
+    changes, so drafting never stops for a queue that cannot move."""
+    s = FakeScheduler(waiting=2)
+    s.admits = False
+    withheld, output = s.step()
+    assert withheld and getattr(output, ATTRIBUTE) == 0
+    for r in s.running:
+        r.spec_token_ids = [5, 6]
+    assert s.step()[0] is False  # same counts: drafts verified
+    s.waiting += 1  # a new arrival: try again
+    for r in s.running:
+        r.spec_token_ids = [5, 6]
+    assert s.step()[0] is True
+
+
+def test_the_workers_hear_of_admissible_requests_left_waiting():
+    s = FakeScheduler(waiting=0)
+    assert getattr(s.step()[1], ATTRIBUTE) == 0
+    s = FakeScheduler(waiting=3, slots=8)
+    s.vllm_schedule = lambda: SimpleNamespace(  # admits one of three
+        scheduled_new_reqs=[object()], scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())
+    )
+    s.waiting = 3
+    output = schedule_for_first_tokens(s, lambda: (setattr(s, "waiting", 2), s.vllm_schedule())[1])
+    assert getattr(output, ATTRIBUTE) == 2
     assert waiting_requests(SimpleNamespace()) == 0
-    assert waiting_requests(SimpleNamespace(self_admg_waiting=3)) == 3
+
+
+def test_a_fault_in_the_rule_never_reaches_vllms_scheduler():
+    s = FakeScheduler(waiting=2)
+    del s.deferred_waiting  # a vLLM without the attribute
+    withheld, output = s.step()
+    assert not withheld and getattr(output, ATTRIBUTE) == 0
+
+
+def test_the_scheduler_attributes_the_rule_reads_are_vllms():
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    source = inspect.getsource(Scheduler)
+    for name in (
+        "running",
+        "deferred_waiting",
+        "max_num_active_reqs",
+        "num_waiting_for_streaming_input",
+        "_pause_state",
+    ):
+        assert f"self.{name}" in source, name
+    assert "def get_request_counts" in source and "self.is_prefill_chunk" in inspect.getsource(Request)
 
 
 def step_view(rows):
-    """A StepView over fake runner state: rows of (max_tokens, tokens out, last sampled, params)."""
+    """A StepView over fake runner state: rows of (max_tokens, tokens out, sampled, params)."""
     from vllm.sampling_params import SamplingParams
 
     from vllm_selfspec.vllm_compat.runner_state import StepView
@@ -59,23 +128,28 @@ def step_view(rows):
         params.update_from_generation_config({}, eos_token_id=2)
         requests[f"r{i}"] = SimpleNamespace(sampling_params=params, output_token_ids=[7] * out)
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(requests)), requests=requests)
-    return StepView(runner, SimpleNamespace(), [[7, last] for *_, last, _ in rows])
+    return StepView(runner, SimpleNamespace(), [sampled for _, _, sampled, _ in rows])
 
 
 def test_rows_that_end_with_the_step_are_counted():
-    assert step_view([(16, 10, 9, {}), (16, 3, 9, {})]).finishing_rows == 0
-    assert step_view([(16, 16, 9, {}), (16, 3, 9, {})]).finishing_rows == 1  # at max_tokens
-    assert step_view([(16, 10, 2, {}), (16, 3, 9, {})]).finishing_rows == 1  # end of sequence
-    assert step_view([(16, 10, 2, {"ignore_eos": True})]).finishing_rows == 0
-    assert step_view([(16, 10, 11, {"stop_token_ids": [11]})]).finishing_rows == 1
+    assert step_view([(16, 10, [9], {}), (16, 3, [9], {})]).finishing_rows == 0
+    assert step_view([(16, 16, [9], {}), (16, 3, [9], {})]).finishing_rows == 1  # at max_tokens
+    assert step_view([(16, 10, [9, 2], {}), (16, 3, [9], {})]).finishing_rows == 1  # end of sequence
+    assert step_view([(16, 10, [2, 9, 9], {})]).finishing_rows == 1  # within an accepted draft
+    assert step_view([(16, 10, [2], {"ignore_eos": True})]).finishing_rows == 0
+    assert step_view([(16, 10, [11], {"stop_token_ids": [11]})]).finishing_rows == 1
 
 
-def test_a_server_expects_a_prompt_when_a_request_ends_and_an_offline_batch_does_not():
-    from vllm_selfspec.proposer import SelfAdmgProposer
+def test_a_server_expects_a_prompt_for_two_steps_after_a_request_ends_and_an_offline_batch_never():
+    from vllm_selfspec.proposer import FirstTokens, SelfAdmgProposer
+
+    def steps(closed_batches, views):
+        proposer = SimpleNamespace(closed_batches=closed_batches, _requests_ended=0)
+        return [SelfAdmgProposer._first_tokens(proposer, view) for view in views]
 
     ending = SimpleNamespace(waiting_requests=0, finishing_rows=1)
     queued = SimpleNamespace(waiting_requests=2, finishing_rows=0)
     quiet = SimpleNamespace(waiting_requests=0, finishing_rows=0)
-    for closed_batches, expected in ((False, [True, True, False]), (True, [False, True, False])):
-        proposer = SimpleNamespace(closed_batches=closed_batches)
-        assert [SelfAdmgProposer._prompts_waiting(proposer, s) for s in (ending, queued, quiet)] == expected
+    E, Q, N = FirstTokens.EXPECTED, FirstTokens.QUEUED, FirstTokens.NONE_WAIT
+    assert steps(False, [quiet, ending, quiet, quiet, queued]) == [N, E, E, N, Q]
+    assert steps(True, [quiet, ending, quiet, quiet, queued]) == [N] * 5

@@ -15,6 +15,7 @@ distribution exactly.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
 
@@ -58,6 +59,14 @@ class PreparedStep:
     plan: DraftPlan
 
 
+class FirstTokens(enum.Enum):
+    """Whether a new prompt will wait for the next step (`SelfAdmgProposer._first_tokens`)."""
+
+    NONE_WAIT = "none wait"
+    QUEUED = "queued"  # the scheduler withholds the step's drafts: make none
+    EXPECTED = "expected"  # the step may be at most FIRST_TOKEN_SLACK longer than plain's
+
+
 @dataclass(frozen=True)
 class DraftMade:
     """A row's draft this step, to learn from when it has been verified."""
@@ -96,6 +105,7 @@ class SelfAdmgProposer:
         self._steps_run = 0  # steps the runner began (note_step)
         self._proposed_at = -1  # the step of the last call for drafts
         self._steps_since_admission = 0
+        self._requests_ended = 0  # in the step before the last one the proposer saw
         self.fail_safe = FailSafe(max_over_ranks=max_over_ranks)
         MetricsPublisher.from_environment(rank=tensor_parallel_rank()).start(self, metrics_snapshot)
         if self.options.lookup:
@@ -181,7 +191,7 @@ class SelfAdmgProposer:
             for row, budget, (source, draft) in zip(rows, budgets, found)
         ]
         return PreparedStep(
-            step, budgets, found, offers, self._plan(offers, max(budgets, default=0), self._prompts_waiting(step))
+            step, budgets, found, offers, self._plan(offers, max(budgets, default=0), self._first_tokens(step))
         )
 
     def _draft(self, prepared: PreparedStep, common_attn_metadata) -> list[list[int]]:
@@ -276,18 +286,28 @@ class SelfAdmgProposer:
             self.controller.observe_lookup(looked_up, time.perf_counter() - start)
         return found
 
-    def _prompts_waiting(self, step: StepView) -> bool:
-        """Whether a new prompt will wait for the next step: requests are queued for admission,
-        or, in a server, a request ends with this step and its client sends the next one."""
-        return step.waiting_requests > 0 or (not self.closed_batches and step.finishing_rows > 0)
+    def _first_tokens(self, step: StepView) -> FirstTokens:
+        """Whether a new prompt will wait for the next step, in a server (offline, a first
+        token is worth nothing before the batch's end): requests are queued that the scheduler
+        can admit, so it withholds the next step's drafts anyway; or a request ended with this
+        step or the one before, and its client sends the next prompt, which arrives during the
+        next step or the one after."""
+        ended, self._requests_ended = self._requests_ended, step.finishing_rows
+        if self.closed_batches:
+            return FirstTokens.NONE_WAIT
+        if step.waiting_requests:
+            return FirstTokens.QUEUED
+        return FirstTokens.EXPECTED if ended or self._requests_ended else FirstTokens.NONE_WAIT
 
-    def _plan(self, offers: list[RowOffer], self_budget: int, prompts_waiting: bool) -> DraftPlan:
+    def _plan(self, offers: list[RowOffer], self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
         """How much of each kind of draft pays this step (everything offered, if not adaptive)."""
         fault_point("plan")
+        if first_tokens == FirstTokens.QUEUED:
+            return DraftPlan.nothing(len(offers))
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
         draining = self.closed_batches and self._steps_since_admission > DRAIN_AFTER_STEPS
-        return self.controller.plan(offers, self_budget, draining, prompts_waiting)
+        return self.controller.plan(offers, self_budget, draining, first_tokens == FirstTokens.EXPECTED)
 
     def _shared(self, plan: DraftPlan, rows: int) -> DraftPlan:
         """Rank 0's plan on every rank: each rank plans from its own step timings (and, should a

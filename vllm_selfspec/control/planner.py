@@ -17,15 +17,14 @@ later (benchmarks/NOTES.md, "past capacity, break-even drafts cost first tokens"
 load a draft token beats the rate many times over, and the margin changes little.
 
 First tokens waiting. A prompt that arrives waits for the step in progress, then for the
-step that prefills it; a step made longer by drafts delays its first token by as much. When the
-planner knows a prompt will wait for the step it plans, that step may be at most
-FIRST_TOKEN_SLACK longer than plain decoding's. It knows two cases: requests queued for
-admission (an open queue past capacity), and rows that finish in the step just run (at capacity,
-clients that hold a number of requests in flight send a new one as soon as one ends, during the
-next step). The step that prefills a prompt verifies no drafts at all (the scheduler's side,
-`vllm_compat.scheduler_queue`). At light load a prompt arrives at a random moment, unforeseen,
-and waits on average half of whatever step is in progress: that is the price of a longer step,
-set against its tokens by the margin.
+step that prefills it; a step made longer by drafts delays its first token by as much. In a
+server the step that prefills verifies no drafts (the scheduler withholds them,
+`vllm_compat.scheduler_queue`), and when a prompt is expected to wait for the step planned
+(a request just ended: clients that hold a number of requests in flight send the next one at
+once), that step may be at most FIRST_TOKEN_SLACK longer than plain decoding's
+(`prompts_waiting`). At light load a prompt arrives at a random moment, unforeseen, and waits
+on average half of whatever step is in progress: that is the price of a longer step, set
+against its tokens by the margin.
 
 Draining batches. The steady plan values a row's accepted token as the step time it frees for
 someone else. When no request has been admitted for a while (an offline batch finishing), a
@@ -97,6 +96,10 @@ class DraftPlan:
             False,
             [o.can_self_draft and not o.lookup_tokens for o in offers],
         )
+
+    @staticmethod
+    def nothing(rows: int) -> DraftPlan:
+        return DraftPlan([0] * rows, 0, False, [False] * rows)
 
     def as_ints(self) -> list[int]:
         """Flat, for sending between ranks (`from_ints`)."""

@@ -67,13 +67,13 @@ class StepView:
     @property
     def finishing_rows(self) -> int:
         """Rows whose request ends with this step's tokens: at max_tokens, or on an end-of-sequence
-        or stop token (stop strings end requests later, in the front end)."""
+        or stop token among them (stop strings end requests later, in the front end)."""
         finishing = 0
         for row in self.rows:
             params = self.runner.requests[row.req_id].sampling_params
-            last = self.sampled_token_ids[row.index][-1]
             stops = set(params.stop_token_ids or ()) | {params.eos_token_id} if params is not None else set()
-            finishing += (row.tokens_left is not None and row.tokens_left <= 0) or last in stops
+            ended = row.tokens_left is not None and row.tokens_left <= 0
+            finishing += ended or not stops.isdisjoint(self.sampled_token_ids[row.index])
         return finishing
 
     def tenant(self, row: int):

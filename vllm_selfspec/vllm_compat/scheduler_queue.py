@@ -1,37 +1,51 @@
 """The scheduler's part in keeping first tokens as early as plain decoding's (self-admg servers).
 
 A prompt's first token comes out of the step that prefills it, so drafts verified in that step
-delay it by their verification. When a step will prefill (a request waits for admission and
-there is room to admit it, or a prompt is being prefilled in chunks), the requests running
-beside it verify no drafts in that step: they lose one step's drafts, which is lossless, and the
-step costs what plain decoding's does. Offline batches (`self_admg_closed_batches`) keep their
+delay it by their verification. When a step is about to prefill (a request waits that the
+scheduler can admit now, or a prompt is being prefilled in chunks), the requests running beside
+it verify no drafts in that step: they lose one step's drafts, which is lossless, and the step
+costs what plain decoding's does. Offline batches (`self_admg_closed_batches`) keep their
 drafts: there a first token is worth nothing before the batch's end.
 
+Whether a waiting request will be admitted is a guess made before vLLM schedules: requests that
+wait for a free slot, a compiled grammar, remote KV or a paused scheduler are not counted, and
+if a step that withheld drafts admitted nobody all the same (the KV cache is full, say), drafts
+are withheld again only once the numbers of running and waiting requests change. So drafting
+never stops for a queue that cannot move; such requests wait for others to finish, which
+drafts hasten.
+
 The worker plans the next step's drafts and needs to know when a prompt will wait for that
-step too (`control.planner`), but vLLM 0.32's `SchedulerOutput` says nothing of the queue.
-`schedule` attaches the number of requests left waiting after this step's admissions as one
-extra attribute, which pickling carries to the workers. Requests that wait for a free slot
-(the running batch is full) are not counted: they wait for requests to finish, which drafts
-hasten.
+step too (`control.planner`), but vLLM 0.32's `SchedulerOutput` says nothing of the queue:
+`schedule` attaches the number of admissible requests left waiting after this step's
+admissions as one extra attribute, which pickling carries to the workers.
+
+A fault here must not reach vLLM's scheduler, which would take the engine down: it is logged
+once, and the step is scheduled as vLLM would.
 """
+
+from __future__ import annotations
+
+import functools
+import logging
 
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
 from vllm_selfspec.vllm_compat.patching import original, patch
 from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
 
+logger = logging.getLogger(__name__)
+
 ATTRIBUTE = "self_admg_waiting"
+IN_VAIN = "_self_admg_withheld_in_vain"  # (running, waiting) when withholding last admitted nobody
 
 
 def apply() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     def schedule(self, *args, **kwargs):
+        vllm_schedule = functools.partial(original(Scheduler, "schedule"), self)
         if not is_self_admg_config(self.vllm_config.speculative_config):
-            return original(Scheduler, "schedule")(self, *args, **kwargs)
-        withhold_drafts_beside_prefill(self)
-        output = original(Scheduler, "schedule")(self, *args, **kwargs)
-        setattr(output, ATTRIBUTE, _admissible_waiting(self))
-        return output
+            return vllm_schedule(*args, **kwargs)
+        return schedule_for_first_tokens(self, vllm_schedule, *args, **kwargs)
 
     patch(
         Scheduler,
@@ -41,24 +55,69 @@ def apply() -> None:
     )
 
 
-def withhold_drafts_beside_prefill(scheduler) -> bool:
-    """Clear the running requests' drafts if this step will prefill, in a server; whether it did."""
-    if (scheduler.vllm_config.additional_config or {}).get(CLOSED_BATCHES_KEY):
-        return False
-    if not (_admissible_waiting(scheduler) or any(request.is_prefill_chunk for request in scheduler.running)):
-        return False
+def schedule_for_first_tokens(scheduler, vllm_schedule, *args, **kwargs):
+    """One step of a self-admg engine's scheduler: vLLM's `schedule`, with drafts withheld if
+    the step is about to prefill in a server, and the count of admissible requests left waiting."""
+    withheld_for = _guarded(lambda: withhold_drafts_beside_prefill(scheduler), "")
+    output = vllm_schedule(*args, **kwargs)
+    setattr(output, ATTRIBUTE, _guarded(lambda: _after_schedule(scheduler, output, withheld_for), 0))
+    return output
+
+
+def withhold_drafts_beside_prefill(scheduler) -> str:
+    """Clear the running requests' drafts if this step is about to prefill, in a server. Why
+    it did: "chunk" (a prompt is being prefilled in chunks) or "admission"; "" if it did not."""
+    config = scheduler.vllm_config.additional_config
+    if isinstance(config, dict) and config.get(CLOSED_BATCHES_KEY):
+        return ""
+    if any(request.is_prefill_chunk for request in scheduler.running):
+        why = "chunk"
+    elif admissible_waiting(scheduler) and scheduler.get_request_counts() != getattr(scheduler, IN_VAIN, None):
+        why = "admission"
+    else:
+        return ""
     for request in scheduler.running:
         request.spec_token_ids = []  # (vLLM clears them too once they are scheduled)
-    return True
+    return why
 
 
-def _admissible_waiting(scheduler) -> int:
-    """Requests waiting for admission while the running batch has room for them."""
-    running, waiting = scheduler.get_request_counts()
-    return waiting if running < scheduler.max_num_running_reqs else 0
+def admissible_waiting(scheduler) -> int:
+    """Waiting requests the scheduler may admit now: not blocked (vLLM's `deferred_waiting`:
+    a grammar, remote KV), with a free slot, and new requests not paused."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    if scheduler._pause_state != PauseState.UNPAUSED:
+        return 0
+    if len(scheduler.running) + scheduler.num_waiting_for_streaming_input >= scheduler.max_num_active_reqs:
+        return 0
+    _, waiting = scheduler.get_request_counts()
+    return max(0, waiting - len(scheduler.deferred_waiting))
+
+
+def _after_schedule(scheduler, output, withheld_for: str) -> int:
+    """Remember a withholding for an admission that admitted nobody; the admissible requests
+    left waiting (none, then: the next step would withhold for nothing)."""
+    admitted = bool(output.scheduled_new_reqs or output.scheduled_cached_reqs.resumed_req_ids)
+    in_vain = withheld_for == "admission" and not admitted
+    setattr(scheduler, IN_VAIN, scheduler.get_request_counts() if in_vain else None)
+    return 0 if in_vain else admissible_waiting(scheduler)
+
+
+_faulted = False
+
+
+def _guarded(work, default):
+    global _faulted
+    try:
+        return work()
+    except Exception:  # never into vLLM's scheduler: the step goes on as vLLM schedules it
+        if not _faulted:
+            _faulted = True
+            logger.exception("self-admg's first-token rule failed; scheduling as vLLM does")
+        return default
 
 
 def waiting_requests(scheduler_output) -> int:
-    """Requests left waiting after the step's admissions, with room to admit them (0 if the
-    scheduler did not say)."""
+    """Admissible requests left waiting after the step's admissions (0 if the scheduler did
+    not say)."""
     return getattr(scheduler_output, ATTRIBUTE, 0)
