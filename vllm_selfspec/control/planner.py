@@ -162,8 +162,7 @@ class DraftPlanner:
             for i, o in enumerate(offers)
             if o.can_self_draft and (not o.lookup_tokens or (self.costs.self_step_measured and gains[i][0] < a_self))
         ]
-        # (One row's end is the batch's: the steady plan is that.)
-        if draining and len(offers) > 1 and not prompts_waiting:
+        if draining and len(offers) > 1:  # (one row's end is the batch's: the steady plan is that)
             choice = self._drain(offers, gains, cost, step.t0, step.t_verify, self_budget)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
             # step, on up to K/(K+1) of the steps left to the batch's end.

@@ -4,7 +4,8 @@ Patches (each applied once through `patching.patch`, which records it):
 - front_door: the `self-admg` spellings (--speculative-config, --spec-method, the legacy
   --speculative-model/--num-speculative-tokens, LLM(speculative_config=...)) and option checks.
 - scheduler_lookahead: the scheduler reserves K KV slots past the verified range for draft KV.
-- scheduler_queue: each step tells the workers how many requests wait for admission.
+- scheduler_queue: in a server, a step about to prefill verifies no drafts, and each step tells
+  the workers how many requests wait that it could admit.
 - request_tenant: each request's cache_salt reaches the worker (lookup history per tenant).
 - sampling_params: min_p and logit_bias are served (rows using them get no drafts).
 - runner_hook: the model runner hands our proposer what it needs, drops a request's state with
