@@ -72,7 +72,7 @@ def withhold_drafts_beside_prefill(scheduler) -> str:
         return ""
     if any(request.is_prefill_chunk for request in scheduler.running):
         why = "chunk"
-    elif admissible_waiting(scheduler) and scheduler.get_request_counts() != getattr(scheduler, IN_VAIN, None):
+    elif admissible_waiting(scheduler) and not _queue_stuck(scheduler):
         why = "admission"
     else:
         return ""
@@ -95,12 +95,20 @@ def admissible_waiting(scheduler) -> int:
 
 
 def _after_schedule(scheduler, output, withheld_for: str) -> int:
-    """Remember a withholding for an admission that admitted nobody; the admissible requests
-    left waiting (none, then: the next step would withhold for nothing)."""
+    """Remember a withholding for an admission that admitted nobody, until the counts change
+    or someone is admitted; the admissible requests left waiting (none while the queue is
+    stuck: the workers would plan no drafts for it)."""
     admitted = bool(output.scheduled_new_reqs or output.scheduled_cached_reqs.resumed_req_ids)
-    in_vain = withheld_for == "admission" and not admitted
-    setattr(scheduler, IN_VAIN, scheduler.get_request_counts() if in_vain else None)
-    return 0 if in_vain else admissible_waiting(scheduler)
+    if withheld_for == "admission" and not admitted:
+        setattr(scheduler, IN_VAIN, scheduler.get_request_counts())
+    elif admitted:
+        setattr(scheduler, IN_VAIN, None)
+    return 0 if _queue_stuck(scheduler) else admissible_waiting(scheduler)
+
+
+def _queue_stuck(scheduler) -> bool:
+    """Whether the counts are those of a withholding that admitted nobody."""
+    return scheduler.get_request_counts() == getattr(scheduler, IN_VAIN, None)
 
 
 _faulted = False
