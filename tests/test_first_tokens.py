@@ -142,16 +142,38 @@ def test_rows_that_end_with_the_step_are_counted():
     assert step_view([(16, 10, [11], {"stop_token_ids": [11]})]).finishing_rows == 1
 
 
+def _first_tokens_over(views, closed_batches=False):
+    from vllm_selfspec.control.refills import Refills
+    from vllm_selfspec.proposer import SelfAdmgProposer
+
+    proposer = SimpleNamespace(closed_batches=closed_batches, _requests_ended=0, refills=Refills())
+    return [SelfAdmgProposer._first_tokens(proposer, view) for view in views]
+
+
+ENDING = SimpleNamespace(waiting_requests=0, finishing_rows=1, admitted_requests=False)
+QUEUED = SimpleNamespace(waiting_requests=2, finishing_rows=0, admitted_requests=False)
+QUIET = SimpleNamespace(waiting_requests=0, finishing_rows=0, admitted_requests=False)
+ADMITTING = SimpleNamespace(waiting_requests=0, finishing_rows=0, admitted_requests=True)
+
+
 def test_a_server_expects_a_prompt_for_two_steps_after_a_request_ends_and_an_offline_batch_never():
-    from vllm_selfspec.proposer import FirstTokens, SelfAdmgProposer
+    from vllm_selfspec.proposer import FirstTokens
 
-    def steps(closed_batches, views):
-        proposer = SimpleNamespace(closed_batches=closed_batches, _requests_ended=0)
-        return [SelfAdmgProposer._first_tokens(proposer, view) for view in views]
-
-    ending = SimpleNamespace(waiting_requests=0, finishing_rows=1)
-    queued = SimpleNamespace(waiting_requests=2, finishing_rows=0)
-    quiet = SimpleNamespace(waiting_requests=0, finishing_rows=0)
     E, Q, N = FirstTokens.EXPECTED, FirstTokens.QUEUED, FirstTokens.NONE_WAIT
-    assert steps(False, [quiet, ending, quiet, quiet, queued]) == [N, E, E, N, Q]
-    assert steps(True, [quiet, ending, quiet, quiet, queued]) == [N] * 5
+    assert _first_tokens_over([QUIET, ENDING, QUIET, QUIET, QUEUED]) == [N, E, E, N, Q]
+    assert _first_tokens_over([QUIET, ENDING, QUIET, QUIET, QUEUED], closed_batches=True) == [N] * 5
+
+
+def test_ends_nobody_refills_stop_capping_the_steps_after_them_and_a_refill_brings_it_back():
+    """The last requests of a run (or arrivals that do not follow departures) leave slots empty:
+    capping the steps after their ends would only cost drafts where drafting pays most."""
+    from vllm_selfspec.proposer import FirstTokens
+
+    E, N = FirstTokens.EXPECTED, FirstTokens.NONE_WAIT
+    refilled = [ENDING, QUIET, ADMITTING] * 4  # a client sends its next prompt as one ends
+    assert _first_tokens_over(refilled)[-3:] == [E, E, N]
+    unrefilled = [ENDING, QUIET, QUIET, QUIET]
+    views = unrefilled * 3 + [ENDING, ADMITTING] + unrefilled
+    # Two ends in a row without a new prompt: the third end is no longer capped; one end
+    # refilled restores the cap.
+    assert [_first_tokens_over(views)[i] for i in (0, 4, 8, 12, 14)] == [E, E, N, N, E]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vllm_selfspec.control import DraftController, DraftPlan, DraftSource, RowOffer
+from vllm_selfspec.control.refills import Refills
 from vllm_selfspec.fail_safe import FailSafe, fault_point
 from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.lookup import warm_up as warm_up_lookup
@@ -106,6 +107,7 @@ class SelfAdmgProposer:
         self._proposed_at = -1  # the step of the last call for drafts
         self._steps_since_admission = 0
         self._requests_ended = 0  # in the step before the last one the proposer saw
+        self.refills = Refills()
         self.fail_safe = FailSafe(max_over_ranks=max_over_ranks)
         MetricsPublisher.from_environment(rank=tensor_parallel_rank()).start(self, metrics_snapshot)
         if self.options.lookup:
@@ -291,13 +293,15 @@ class SelfAdmgProposer:
         token is worth nothing before the batch's end): requests are queued that the scheduler
         can admit, so it withholds the next step's drafts anyway; or a request ended with this
         step or the one before, and its client sends the next prompt, which arrives during the
-        next step or the one after."""
+        next step or the one after, where ends have lately been followed by prompts (`Refills`)."""
         ended, self._requests_ended = self._requests_ended, step.finishing_rows
         if self.closed_batches:
             return FirstTokens.NONE_WAIT
+        self.refills.observe(ended=bool(step.finishing_rows), admitted=step.admitted_requests)
         if step.waiting_requests:
             return FirstTokens.QUEUED
-        return FirstTokens.EXPECTED if ended or self._requests_ended else FirstTokens.NONE_WAIT
+        recent_end = ended or self._requests_ended
+        return FirstTokens.EXPECTED if recent_end and self.refills.expected else FirstTokens.NONE_WAIT
 
     def _plan(self, offers: list[RowOffer], self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
         """How much of each kind of draft pays this step (everything offered, if not adaptive)."""
