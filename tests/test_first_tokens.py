@@ -146,14 +146,21 @@ def _first_tokens_over(views, closed_batches=False):
     from vllm_selfspec.control.refills import Refills
     from vllm_selfspec.proposer import SelfAdmgProposer
 
-    proposer = SimpleNamespace(closed_batches=closed_batches, _requests_ended=0, refills=Refills())
-    return [SelfAdmgProposer._first_tokens(proposer, view) for view in views]
+    proposer = SimpleNamespace(closed_batches=closed_batches, _requests_ended=0, refills=Refills(), _steps_run=0)
+    states = []
+    for view in views:
+        proposer._steps_run += 1
+        states.append(SelfAdmgProposer._first_tokens(proposer, view))
+    return states
 
 
-ENDING = SimpleNamespace(waiting_requests=0, finishing_rows=1, admitted_requests=False)
-QUEUED = SimpleNamespace(waiting_requests=2, finishing_rows=0, admitted_requests=False)
-QUIET = SimpleNamespace(waiting_requests=0, finishing_rows=0, admitted_requests=False)
-ADMITTING = SimpleNamespace(waiting_requests=0, finishing_rows=0, admitted_requests=True)
+def _view(waiting=0, ended=0, admitted=0, busy=True):
+    return SimpleNamespace(
+        waiting_requests=waiting, finishing_rows=ended, admitted_requests=admitted, engine_was_busy=busy
+    )
+
+
+ENDING, QUEUED, QUIET, ADMITTING = _view(ended=1), _view(waiting=2), _view(), _view(admitted=1)
 
 
 def test_a_server_expects_a_prompt_for_two_steps_after_a_request_ends_and_an_offline_batch_never():
@@ -172,8 +179,46 @@ def test_ends_nobody_refills_stop_capping_the_steps_after_them_and_a_refill_brin
     E, N = FirstTokens.EXPECTED, FirstTokens.NONE_WAIT
     refilled = [ENDING, QUIET, ADMITTING] * 4  # a client sends its next prompt as one ends
     assert _first_tokens_over(refilled)[-3:] == [E, E, N]
-    unrefilled = [ENDING, QUIET, QUIET, QUIET]
+    unrefilled = [ENDING, QUIET, QUIET, QUIET, QUIET]
     views = unrefilled * 3 + [ENDING, ADMITTING] + unrefilled
-    # Two ends in a row without a new prompt: the third end is no longer capped; one end
-    # refilled restores the cap.
-    assert [_first_tokens_over(views)[i] for i in (0, 4, 8, 12, 14)] == [E, E, N, N, E]
+    # After two ends nobody refilled, the third end is no longer capped; from there one
+    # refilled end restores the cap.
+    assert [_first_tokens_over(views)[i] for i in (0, 5, 10, 15, 17)] == [E, E, N, N, E]
+    # Ends in consecutive steps, none refilled, lift it too.
+    assert _first_tokens_over([ENDING] * 6)[-1] == N
+
+
+def _share_after(views) -> float:
+    from vllm_selfspec.control.refills import Refills
+
+    refills = Refills()
+    for step, view in enumerate(views, start=1):
+        refills.observe(
+            step=step, ended=view.finishing_rows, admitted=view.admitted_requests, engine_was_busy=view.engine_was_busy
+        )
+    return refills.share
+
+
+def test_an_end_is_refilled_by_an_admission_within_three_steps_after_it():
+    from vllm_selfspec.control.refills import REFILL_WEIGHT
+
+    missed = 1 - REFILL_WEIGHT
+    assert _share_after([ENDING, QUIET, ADMITTING, QUIET, QUIET]) == 1.0
+    assert _share_after([ENDING, QUIET, QUIET, ADMITTING, QUIET]) == 1.0  # admitted a step late
+    assert _share_after([ENDING, QUIET, QUIET, QUIET, ADMITTING]) == pytest.approx(missed)
+    # An admission in the step of the end was a prompt that was already waiting.
+    assert _share_after([_view(ended=1, admitted=1), QUIET, QUIET, QUIET, QUIET]) == pytest.approx(missed)
+    # Two ends, one admission: one refilled, one not.
+    assert _share_after([_view(ended=2), ADMITTING, QUIET, QUIET, QUIET]) == pytest.approx(missed)
+    # A prompt admitted into an idle engine waited for no step in progress.
+    assert _share_after([ENDING, _view(admitted=1, busy=False), QUIET]) == pytest.approx(missed)
+
+
+def test_ends_waiting_for_a_refill_are_bounded_by_the_window():
+    from vllm_selfspec.control.refills import REFILL_WINDOW_STEPS, Refills
+
+    refills = Refills()
+    for step in range(1, 1000):
+        refills.observe(step=step, ended=16, admitted=0, engine_was_busy=True)
+        assert len(refills._pending) <= 16 * (REFILL_WINDOW_STEPS + 1)
+    assert refills.share < 1e-6

@@ -297,7 +297,14 @@ class SelfAdmgProposer:
         ended, self._requests_ended = self._requests_ended, step.finishing_rows
         if self.closed_batches:
             return FirstTokens.NONE_WAIT
-        self.refills.observe(ended=bool(step.finishing_rows), admitted=step.admitted_requests)
+        # Numbered by the steps the runner began, so that a step vLLM ran without asking for
+        # drafts still counts against an end's window (an admission in it goes unseen).
+        self.refills.observe(
+            step=self._steps_run,
+            ended=step.finishing_rows,
+            admitted=step.admitted_requests,
+            engine_was_busy=step.engine_was_busy,
+        )
         if step.waiting_requests:
             return FirstTokens.QUEUED
         recent_end = ended or self._requests_ended

@@ -9,41 +9,49 @@ is the one drafting pays most in. So the cap applies only while most recent ends
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 # An end in step t: its client's next prompt arrives during step t + 1 and is admitted by step
-# t + 2's schedule, which the proposer sees after that step, or one step later if the scheduler
-# could not take it at once.
+# t + 2's schedule, or by t + 3's if the scheduler could not take it at once. Later admissions
+# are arrivals of their own.
 REFILL_WINDOW_STEPS = 3
-REFILL_WEIGHT = 0.3  # of the latest end in the running share of ends refilled
+# The share moves this far towards each end's outcome, so that from a server whose ends were
+# all refilled, two unrefilled ends in a row lift the cap (1 -> 0.7 -> 0.49) and, after those
+# two, one refill restores it (0.49 -> 0.64).
+REFILL_WEIGHT = 0.3
 EXPECT_REFILL_ABOVE = 0.5
 
 
 @dataclass
 class Refills:
     """The running share of request ends followed by an admission within REFILL_WINDOW_STEPS.
-    It starts at 1 (every end refilled), so a server caps until it has seen otherwise."""
+    It starts at 1 (every end refilled): a server caps until it has seen otherwise."""
 
     share: float = 1.0
-    _window: int = 0  # steps left for the latest end to be refilled; 0: no end pending
+    # The last step each end still waiting for a new prompt can be refilled in, oldest first
+    # (at most REFILL_WINDOW_STEPS steps of ends, each no more than a step's rows).
+    _pending: deque[int] = field(default_factory=deque)
 
-    def observe(self, *, ended: bool, admitted: bool) -> None:
-        """One step as the proposer saw it: did a request end with it, did it admit one?"""
-        if self._window:
-            if admitted:
-                self._record(refilled=True)
-            elif self._window == 1:
-                self._record(refilled=False)
-            else:
-                self._window -= 1
-        if ended:
-            self._window = REFILL_WINDOW_STEPS
+    def observe(self, *, step: int, ended: int, admitted: int, engine_was_busy: bool) -> None:
+        """Step number `step` as the proposer saw it: how many requests ended with it, how many
+        it took in, and whether a request ran on from the step before."""
+        while self._pending and self._pending[0] < step:
+            self._outcome(refilled=False)
+        if admitted and not engine_was_busy:
+            # A prompt admitted into an idle engine waited for no step: the cap bought nothing.
+            while self._pending:
+                self._outcome(refilled=False)
+        for _ in range(min(admitted, len(self._pending))):
+            self._outcome(refilled=True)
+        self._pending.extend([step + REFILL_WINDOW_STEPS] * ended)
 
     @property
     def expected(self) -> bool:
         """Whether a request's end is likely to bring a prompt that waits for the next steps."""
         return self.share > EXPECT_REFILL_ABOVE
 
-    def _record(self, *, refilled: bool) -> None:
+    def _outcome(self, *, refilled: bool) -> None:
+        """The oldest pending end was refilled, or its time ran out."""
+        self._pending.popleft()
         self.share += REFILL_WEIGHT * (float(refilled) - self.share)
-        self._window = 0

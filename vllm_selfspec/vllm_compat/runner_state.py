@@ -44,10 +44,10 @@ class StepView:
         return len(self.sampled_token_ids)
 
     @property
-    def admitted_requests(self) -> bool:
-        """Whether this step took in a new or resumed request."""
+    def admitted_requests(self) -> int:
+        """How many new or resumed requests this step took in."""
         out = self.scheduler_output
-        return bool(out.scheduled_new_reqs or out.scheduled_cached_reqs.resumed_req_ids)
+        return len(out.scheduled_new_reqs) + len(out.scheduled_cached_reqs.resumed_req_ids)
 
     @property
     def waiting_requests(self) -> int:
