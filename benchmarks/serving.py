@@ -175,7 +175,7 @@ class Run:
     identical_to_plain: int | None = None  # requests whose text equals the plain server's
     proposer: dict | None = None  # PROPOSER_COUNTERS spent during the run (self-admg servers)
     slot: int = 0  # the server's place in its round: a method is compared with the plain runs beside it
-    prefix_cache: dict | None = None  # the server's prefix-cache queries and hits during the run, in tokens
+    engine: dict | None = None  # ENGINE_COUNTERS spent during the run
 
     def metric(self, key: str) -> float | None:
         return self.result.get(key)
@@ -402,17 +402,34 @@ def proposer_state(server: VllmServer, spec: Server) -> dict | None:
         return None
 
 
-def prefix_cache_state(server: VllmServer) -> dict | None:
-    """The server's prefix-cache counters in tokens, or None (only this diagnostic is lost).
-    Servers that cached different prompts prefill different amounts: multi-turn's second turns
-    carry the first server's answers, which a server whose own answers differed has not cached."""
+# vLLM's own counters a run reads from /metrics (differences over the run): how much of the
+# prompts its prefix cache held, and where the first tokens waited (the engine's queue, the
+# prefill; the rest of a first token's time is the front end's).
+ENGINE_COUNTERS = {
+    "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+    "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    "requests": "vllm:time_to_first_token_seconds_count",
+    "first_token_s": "vllm:time_to_first_token_seconds_sum",
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+}
+ENGINE_COLUMNS = {  # column: what it reads of a run's engine counters
+    "prefix_cache_hit_rate": lambda e: e["prefix_cache_hits"] / e["prefix_cache_queries"],
+    "queue_ms": lambda e: 1000 * e["queue_s"] / e["requests"],
+    "prefill_ms": lambda e: 1000 * e["prefill_s"] / e["requests"],
+    "front_end_ms": lambda e: 1000 * (e["first_token_s"] - e["queue_s"] - e["prefill_s"]) / e["requests"],
+}
+
+
+def engine_state(server: VllmServer) -> dict | None:
+    """The server's ENGINE_COUNTERS, or None (only this diagnostic is lost)."""
     import httpx
 
     try:
         metrics = server.metrics()
     except (httpx.HTTPError, ValueError):
         return None
-    return {key: metrics.get(f"vllm:prefix_cache_{key}_total", 0.0) for key in ("queries", "hits")}
+    return {key: metrics.get(sample, 0.0) for key, sample in ENGINE_COUNTERS.items()}
 
 
 def save_steps(server: VllmServer, before: dict | None, after: dict | None, path: Path) -> None:
@@ -443,8 +460,8 @@ def save_run_notes(run: Run, raw: Path, slug: str) -> None:
         (raw / f"{slug}-error.txt").write_text(run.error)
     if run.proposer is not None:
         (raw / f"{slug}-proposer.json").write_text(json.dumps(run.proposer))
-    if run.prefix_cache is not None:
-        (raw / f"{slug}-prefix-cache.json").write_text(json.dumps(run.prefix_cache))
+    if run.engine is not None:
+        (raw / f"{slug}-engine.json").write_text(json.dumps(run.engine))
 
 
 # r<round>-<slot>-<server>-<workload>-<load>.json (folders written before servers had slots: no slot)
@@ -477,7 +494,7 @@ def runs_from_folder(out: Path) -> list[Run]:
                 results[name],
                 error=read(raw / f"{name}-error.txt", str),
                 proposer=read(raw / f"{name}-proposer.json", json.loads),
-                prefix_cache=read(raw / f"{name}-prefix-cache.json", json.loads),
+                engine=read(raw / f"{name}-engine.json", json.loads),
                 slot=int(slot or 0),
             )
         )
@@ -529,12 +546,12 @@ def serve_workload(
             server, args.model_path, dataset, point, len(prompts), out / "raw", f"{slug}.json", args.temperature
         )
         try:
-            before, cache_before = proposer_state(server, spec), prefix_cache_state(server)
+            before, engine_before = proposer_state(server, spec), engine_state(server)
             result = bench(command, out / "bench.log", run_timeout(point, len(prompts), args.run_timeout))
-            after, cache_after = proposer_state(server, spec), prefix_cache_state(server)
+            after, engine_after = proposer_state(server, spec), engine_state(server)
             run = Run(round_, spec, workload, point, result, proposer=spent(before, after), slot=slot)
-            if cache_before is not None and cache_after is not None:
-                run.prefix_cache = {key: cache_after[key] - cache_before[key] for key in cache_after}
+            if engine_before is not None and engine_after is not None:
+                run.engine = {key: engine_after[key] - engine_before[key] for key in ENGINE_COUNTERS}
             save_steps(server, before, after, out / "raw" / f"{slug}-steps.json")
         except (subprocess.SubprocessError, OSError, ValueError) as error:
             run = Run(round_, spec, workload, point, {}, error=f"{type(error).__name__}: {error}"[:300], slot=slot)
@@ -654,10 +671,6 @@ def paired_ttft_ratio(run: Run, bases: list[Run]) -> float | None:
     return statistics.median(t / statistics.mean(others) for t, *others in zip(mine, *theirs))
 
 
-def prefix_cache_queried(run: Run) -> bool:
-    return bool(run.prefix_cache and run.prefix_cache.get("queries"))
-
-
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (workload, load point, server): medians over rounds; ratio ranges over the
     rounds whose runs, and their baseline's, served every request. Plain's own row, where its
@@ -693,8 +706,11 @@ def summarize(runs: list[Run]) -> list[dict]:
         for name, read in PROPOSER_COLUMNS.items():
             values = [v for r in group if r.proposer and (v := read(r.proposer)) is not None]
             row[name] = round(statistics.median(values), 2) if values else None
-        hit_rates = [r.prefix_cache["hits"] / r.prefix_cache["queries"] for r in group if prefix_cache_queried(r)]
-        row["prefix_cache_hit_rate"] = round(statistics.median(hit_rates), 3) if hit_rates else None
+        for name, read in ENGINE_COLUMNS.items():
+            values = [
+                read(r.engine) for r in group if r.engine and r.engine["prefix_cache_queries"] and r.engine["requests"]
+            ]
+            row[name] = round(statistics.median(values), 3) if values else None
         pairs = [
             (r, bases)
             for r in group

@@ -353,12 +353,25 @@ def test_a_results_folder_can_be_summarized_again_from_what_it_saved(tmp_path):
         error="server exited",
         proposer={"probe_seconds": 2.0},
     )
-    again.prefix_cache = {"queries": 400.0, "hits": 100.0}
+    again.engine = {
+        "prefix_cache_queries": 400.0,
+        "prefix_cache_hits": 100.0,
+        "requests": 2.0,
+        "first_token_s": 1.0,
+        "queue_s": 0.2,
+        "prefill_s": 0.6,
+    }
     serving.save_run_notes(again, raw, "r2-0-self-admg-chat-0.3C")
     back = next(r for r in serving.runs_from_folder(tmp_path) if r.round == 2)
     assert (back.error, back.proposer, back.server.method) == ("server exited", {"probe_seconds": 2.0}, "self-admg")
-    assert back.prefix_cache == again.prefix_cache
-    assert next(row for row in serving.summarize([back]))["prefix_cache_hit_rate"] == 0.25
+    assert back.engine == again.engine
+    row = serving.summarize([back])[0]
+    assert (row["prefix_cache_hit_rate"], row["queue_ms"], row["prefill_ms"], row["front_end_ms"]) == (
+        0.25,
+        100.0,
+        300.0,
+        100.0,
+    )
 
 
 def _served_answers():
