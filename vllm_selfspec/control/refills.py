@@ -30,7 +30,7 @@ class Refills:
 
     share: float = 1.0
     # The last step each end still waiting for a new prompt can be refilled in, oldest first
-    # (at most REFILL_WINDOW_STEPS steps of ends, each no more than a step's rows).
+    # (the ends of at most REFILL_WINDOW_STEPS + 1 steps, each no more than a step's rows).
     _pending: deque[int] = field(default_factory=deque)
 
     def observe(self, *, step: int, ended: int, admitted: int, engine_was_busy: bool) -> None:
