@@ -4,9 +4,9 @@ with a few dozen requests its slowest first token is the run's p99.
 
 Each server starts and warms up as `benchmarks.serving` does, then gets --waves waves of
 --rows prompts at once (each wave new prompts, the same on every server), a few tokens each.
-Multi-turn sends each wave's first turns first, unmeasured (64 tokens, all at once), and the
-wave carries the first server's answers, as `benchmarks.serving` does; the other workloads
-pause before each wave. Servers alternate, in --rounds rounds.
+Each wave follows a two-second pause; on multi-turn it also follows its own first turns,
+unmeasured (64 tokens, all at once), and carries the first server's answers, as
+`benchmarks.serving` does. Servers alternate, in --rounds rounds.
 
     LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python -m benchmarks.diagnostics.first_wave
 """
@@ -94,7 +94,8 @@ def main(argv=None) -> None:
                     time.sleep(2)
                     if conversations:
                         answers = asyncio.run(complete_all(server, prompts_, 64, len(prompts_)))
-                        first_answers += [answers] if len(first_answers) <= w else []
+                        if len(first_answers) == w:
+                            first_answers.append(answers)
                         turns = conversations[w * args.rows : (w + 1) * args.rows]
                         prompts_ = [second_turn_prompt(tokenizer, t, a) for t, a in zip(turns, first_answers[w])]
                     ttfts = asyncio.run(wave(server, prompts_, args.max_tokens))
