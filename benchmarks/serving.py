@@ -235,6 +235,11 @@ def warmup_prompts() -> list[str]:
     return assets.load_prompts("humaneval")[-WARMUP_REQUESTS:]
 
 
+def warm_up(server: VllmServer) -> None:
+    """The unmeasured warm-up every server gets before its first measured request."""
+    asyncio.run(complete_all(server, warmup_prompts(), 16, WARMUP_REQUESTS))
+
+
 def second_turn_prompt(tokenizer, turns: list[str], answer: str) -> str:
     return chat_text(
         tokenizer,
@@ -582,7 +587,7 @@ def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int
     print(f"round {round_}: {spec.name}", flush=True)
     runs: list[Run] = []
     with VllmServer(args.model_path, *spec.args(common), log_path=log, env=spec.env(args.every_core)) as server:
-        asyncio.run(complete_all(server, warmup_prompts(), 16, WARMUP_REQUESTS))
+        warm_up(server)
         for workload in args.workloads:
             runs += serve_workload(server, spec, workload, plan, args, tokenizer, out, round_, slot)
             if server.process.poll() is not None:

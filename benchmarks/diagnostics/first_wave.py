@@ -49,14 +49,7 @@ def main(argv=None) -> None:
     from benchmarks.output import default_out
     from benchmarks.run import method_configs
     from benchmarks.serve_load import VllmServer, server_flags
-    from benchmarks.serving import (
-        WARMUP_REQUESTS,
-        Server,
-        complete_all,
-        first_prompts,
-        second_turn_prompt,
-        warmup_prompts,
-    )
+    from benchmarks.serving import Server, complete_all, first_prompts, parse_args, second_turn_prompt, warm_up
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -81,7 +74,8 @@ def main(argv=None) -> None:
     first_answers: list[list[str]] = []  # per wave, the first server's
     configs = method_configs(None)
     args.out.mkdir(parents=True, exist_ok=True)
-    common = server_flags(model, dtype, 4096, 2, seed=0)
+    serving = parse_args([])  # the serving benchmark's defaults: its servers' flags
+    common = server_flags(model, dtype, serving.max_model_len, serving.kv_cache_gb, seed=0)
     results: dict[str, list[list[float]]] = {m: [] for m in args.methods}
     for round_ in range(args.rounds):
         order = args.methods if round_ % 2 == 0 else args.methods[::-1]
@@ -89,7 +83,7 @@ def main(argv=None) -> None:
             spec = Server(method, configs.get(method), args.default_cores)
             log = args.out / f"server-r{round_}-{spec.slug}.log"
             with VllmServer(model, *spec.args(common), log_path=log, env=spec.env(every_core)) as server:
-                asyncio.run(complete_all(server, warmup_prompts(), 16, WARMUP_REQUESTS))
+                warm_up(server)
                 for w, prompts_ in enumerate(waves):
                     time.sleep(2)
                     if conversations:
