@@ -6,7 +6,10 @@ Each server starts and warms up as `benchmarks.serving` does, then gets --waves 
 --rows prompts at once (each wave new prompts, the same on every server), a few tokens each.
 Each wave follows a two-second pause; on multi-turn it also follows its own first turns,
 unmeasured (64 tokens, all at once), and carries the first server's answers, as
-`benchmarks.serving` does. Servers alternate, in --rounds rounds.
+`benchmarks.serving` does. Servers alternate, in --rounds rounds. With --behind, each wave is
+sent while one long request decodes, so that the engine, busy with a step, admits the whole wave
+in its next one, as it does at the start of a `vllm bench serve` run; alone, an idle engine starts
+a step with the first prompt to arrive and the wave spreads over several.
 
     LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python -m benchmarks.diagnostics.first_wave
 """
@@ -20,10 +23,27 @@ import statistics
 import time
 from pathlib import Path
 
+# Not a prompt of any wave, so that the wave's prefix-cache hits are the same without --behind.
+BEHIND_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
-async def wave(server, prompts: list[str], max_tokens: int) -> list[float]:
-    """Each prompt's time to its first streamed token, all sent at once."""
+
+async def wave(server, prompts: list[str], max_tokens: int, behind: bool = False) -> list[float]:
+    """Each prompt's time to its first streamed token, all sent at once (with `behind`, while
+    another request decodes)."""
     client = server.async_client(max_retries=0, timeout=600)
+    decoding = asyncio.Event()
+
+    async def long_request() -> None:
+        stream = await client.completions.create(
+            model=server.model,
+            prompt=BEHIND_PROMPT,
+            max_tokens=512,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in stream:
+            decoding.set()
 
     async def one(prompt: str) -> float:
         start = time.perf_counter()
@@ -35,9 +55,15 @@ async def wave(server, prompts: list[str], max_tokens: int) -> list[float]:
             first = first or time.perf_counter() - start
         return first
 
+    background = asyncio.create_task(long_request()) if behind else None
     try:
+        if background is not None:
+            await decoding.wait()
+            await asyncio.sleep(0.2)
         return list(await asyncio.gather(*map(one, prompts)))
     finally:
+        if background is not None:
+            background.cancel()
         await client.close()
 
 
@@ -59,6 +85,7 @@ def main(argv=None) -> None:
     parser.add_argument("--waves", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--behind", action="store_true", help="send each wave while a long request decodes")
     parser.add_argument("--dtype")
     parser.add_argument("--default-cores", action="store_true", help="vLLM's binding, not every core")
     parser.add_argument("--out", type=Path, help="default: first-wave-<date> in the cache")
@@ -92,7 +119,7 @@ def main(argv=None) -> None:
                             first_answers.append(answers)
                         turns = conversations[w * args.rows : (w + 1) * args.rows]
                         prompts_ = [second_turn_prompt(tokenizer, t, a) for t, a in zip(turns, first_answers[w])]
-                    ttfts = asyncio.run(wave(server, prompts_, args.max_tokens))
+                    ttfts = asyncio.run(wave(server, prompts_, args.max_tokens, args.behind))
                     results[method].append(ttfts)
                     print(
                         f"round {round_} {method}: wave of {len(ttfts)}, first tokens "
