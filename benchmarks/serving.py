@@ -583,6 +583,7 @@ def serve_workload(
 def run_server(spec: Server, plan: Plan, args, tokenizer, out: Path, round_: int, slot: int = 0) -> list[Run]:
     """Every workload's load points on one fresh server, after an unmeasured warm-up."""
     common = server_flags(args.model_path, args.dtype, args.max_model_len, args.kv_cache_gb, seed=0)
+    common += ["--enable-logging-iteration-details"] if args.log_steps else []
     log = out / f"server-r{round_}-{slot}-{spec.slug}.log"
     print(f"round {round_}: {spec.name}", flush=True)
     runs: list[Run] = []
@@ -930,6 +931,12 @@ def parse_args(argv=None):
         default=["all"],
         help="all: the CPU worker computes on every core (or on VLLM_CPU_OMP_THREADS_BIND "
         "if set); default: vLLM's binding, which keeps a core for the engine process",
+    )
+    parser.add_argument(
+        "--log-steps",
+        action="store_true",
+        help="every server logs each engine step's prompt and decode tokens and time (vLLM's "
+        "--enable-logging-iteration-details), which benchmarks.diagnostics.prefill_steps reads",
     )
     parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
     parser.add_argument("--max-model-len", type=int, default=4096)
