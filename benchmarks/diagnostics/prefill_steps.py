@@ -3,11 +3,12 @@
 Reads a serving results folder (benchmarks.serving run with --log-steps, so that every server
 logged each engine step: vLLM's --enable-logging-iteration-details) and takes, per server, the
 steps that prefill at least --min-tokens prompt tokens, in the order they ran. Every server of a
-run gets the same requests in the same order, so the n-th such step is the same phase on each:
-the warm-up, the first turns of multi-turn (no drafts yet: every row is a new prompt) and the
-opening wave of the unlimited-rate run. For each, the milliseconds per prompt token, and per
-method server that over the mean of the plain servers of its round. A step slower only where
-drafting could matter points at the method; one slower from the warm-up on points at the server.
+run gets the same requests in the same order, so a step that prefilled as many prompts and about
+as many tokens is the same phase on each: the warm-up, the first turns of multi-turn (no drafts
+yet: every row is a new prompt) and the opening wave of the unlimited-rate run. For each, the
+milliseconds per prompt token, and that over the mean of the like steps of the round's plain
+servers (a plain server's over its round's other plain servers': the noise). A step slower only
+where drafting could matter points at the method; one slower from the warm-up on, at the server.
 
     .venv/bin/python -m benchmarks.diagnostics.prefill_steps ~/.cache/vllm-selfspec/results/serving-.../
 """
@@ -50,12 +51,16 @@ def prefill_steps(log: Path, min_tokens: int) -> list[Step]:
     return steps
 
 
-def like(step: Step, n: int, servers: list[list[Step]]) -> list[Step]:
-    """Each server's step like the n-th: its n-th, if it prefilled within a tenth as many prompt
-    tokens (an engine that admitted a wave in two steps has no step like it)."""
-    return [
-        s[n] for s in servers if len(s) > n and abs(s[n].prompt_tokens - step.prompt_tokens) <= step.prompt_tokens / 10
-    ]
+def like(step: Step, servers: list[list[Step]]) -> list[Step]:
+    """Each server's step most like this one: as many prompts, and the nearest count of prompt
+    tokens if within a tenth (a server that admitted a wave in two steps has none like it)."""
+    found = []
+    for steps in servers:
+        same = [s for s in steps if s.prompts == step.prompts]
+        nearest = min(same, key=lambda s: abs(s.prompt_tokens - step.prompt_tokens), default=None)
+        if nearest is not None and abs(nearest.prompt_tokens - step.prompt_tokens) <= step.prompt_tokens / 10:
+            found.append(nearest)
+    return found
 
 
 def main(argv=None) -> None:
@@ -72,9 +77,10 @@ def main(argv=None) -> None:
     print("| round | server | step | prompts | prompt tokens | decoding rows | ms | ms per token | over plain |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (round_, slot, method), steps in sorted(servers.items()):
-        plain = [s for (r, _, m), s in servers.items() if r == round_ and m == "plain"]
+        # A plain server is compared with the round's other plain servers: the noise.
+        plain = [s for (r, n, m), s in servers.items() if r == round_ and m == "plain" and n != slot]
         for n, step in enumerate(steps):
-            base = [p.ms_per_token for p in like(step, n, plain)] if method != "plain" else []
+            base = [p.ms_per_token for p in like(step, plain)]
             ratio = f"{step.ms_per_token / statistics.mean(base):.2f}" if base else ""
             print(
                 f"| {round_} | {slot} {method} | {n} | {step.prompts} | {step.prompt_tokens} | {step.decoding} "
