@@ -57,8 +57,8 @@ async def wave(server, prompts: list[str], max_tokens: int, behind: bool = False
 
     background = asyncio.create_task(long_request()) if behind else None
     try:
-        if background is not None:
-            await decoding.wait()
+        if background is not None:  # (bounded: a long request that failed never decodes)
+            await asyncio.wait_for(decoding.wait(), timeout=120)
             await asyncio.sleep(0.2)
         return list(await asyncio.gather(*map(one, prompts)))
     finally:
