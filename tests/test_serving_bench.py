@@ -450,6 +450,30 @@ def test_the_step_split_reads_step_times_from_the_requests_served_alone():
     assert step_split.split({**result, "start_times": [0.0, 0.5, 0.6]}) is None  # all overlap
 
 
+def test_prefill_steps_reads_vllms_step_log_and_matches_like_steps(tmp_path):
+    from benchmarks.diagnostics import prefill_steps
+
+    # Lines as vLLM 0.32 logs them with --enable-logging-iteration-details.
+    line = (
+        "(APIServer pid=1) INFO 11-26 07:21:00 [loggers.py:199] Engine 000: Iteration({}): {} context requests, "
+        "{} context tokens, {} generation requests, {} generation tokens, iteration elapsed time: {} ms, "
+        "CPU KV cache usage: 4.5%"
+    )
+    log = tmp_path / "server-r0-1-self-admg.log"
+    log.write_text(
+        "\n".join([line.format(7, 15, 1521, 1, 1, "923.40"), line.format(8, 1, 88, 15, 15, "90.36"), "other"])
+    )
+    steps = prefill_steps.prefill_steps(log, min_tokens=400)
+    assert steps == [prefill_steps.Step(prompts=15, prompt_tokens=1521, decoding=1, ms=923.4)]
+    wave = steps[0]
+    plain = [
+        [prefill_steps.Step(15, 1259, 1, 739.0), prefill_steps.Step(15, 1521, 1, 962.0)],
+        [prefill_steps.Step(15, 1756, 1, 1104.0)],  # 15% more tokens: not the same step
+        [prefill_steps.Step(1, 1521, 14, 900.0)],  # one prompt: another phase
+    ]
+    assert prefill_steps.like(wave, plain) == [plain[0][1]]
+
+
 def test_verdicts_say_faster_or_slower_only_beyond_plains_own_spread():
     from benchmarks.serving import verdicts
 
