@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for (round_, slot, method), steps in sorted(servers.items()):
         # A plain server is compared with the round's other plain servers: the noise.
-        plain = [s for (r, n, m), s in servers.items() if r == round_ and m == "plain" and n != slot]
+        plain = [s for (r, other, m), s in servers.items() if r == round_ and m == "plain" and other != slot]
         for n, step in enumerate(steps):
             base = [p.ms_per_token for p in like(step, plain)]
             ratio = f"{step.ms_per_token / statistics.mean(base):.2f}" if base else ""
