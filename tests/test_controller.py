@@ -93,12 +93,70 @@ def test_lookup_work_is_bounded_by_its_caps_whatever_the_context():
 def test_a_request_of_unknown_tenant_neither_reads_nor_writes_history():
     from vllm_selfspec.lookup import UNKNOWN_TENANT, TenantHistories
 
-    histories = TenantHistories(max_tokens=100)
+    histories = TenantHistories(max_tokens=100, share_unsalted=True)
     histories.add(None, np.array([1, 2, 3]))
     histories.add(UNKNOWN_TENANT, np.array([4, 5, 6]))
-    assert list(histories.pools) == [None] and len(histories) == 5
+    assert histories.tenants == 1 and len(histories) == 5
     assert histories.pool(UNKNOWN_TENANT) is None
-    assert histories.pool(None) is not None
+    assert histories.pool(None).tokens.tolist() == [SEPARATOR, 1, 2, 3, SEPARATOR]
+
+
+def test_requests_without_a_salt_share_no_history_unless_the_operator_opts_in():
+    """Closed by default: an unsalted request neither reads nor writes a pool another can reach."""
+    from vllm_selfspec.lookup import TenantHistories
+    from vllm_selfspec.options import DEFAULTS
+
+    assert DEFAULTS.lookup_history_unsalted is False
+    closed = TenantHistories(max_tokens=100)
+    closed.add(None, np.array([1, 2, 3]))
+    assert closed.pool(None) is None and closed.tenants == 0 and len(closed) == 0
+    closed.add("salt", np.array([1, 2, 3]))
+    assert closed.pool("salt") is not None and closed.pool(None) is None
+    shared = TenantHistories(max_tokens=100, share_unsalted=True)
+    shared.add(None, np.array([1, 2, 3]))
+    assert shared.pool(None).draft(np.array([1, 2]), 2, 24).tokens.tolist() == [3]
+
+
+def test_a_flood_of_fresh_salts_stays_bounded_and_spares_a_returning_tenant():
+    """200,000 one-shot salts: the pools' number and memory stay within the bound the docs give,
+    and a tenant that keeps coming back still drafts from its history."""
+    import tracemalloc
+
+    from vllm_selfspec.lookup import TenantHistories
+
+    tenants, max_tokens = 256, 65_536
+    histories = TenantHistories(max_tokens, max_tenants=tenants)
+    regular = np.arange(100, 140)
+    histories.add("regular", regular)
+    histories.add("regular", regular)  # it came back
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200_000):
+            histories.add(f"fresh-{i}" * (1 + i % 50), np.full(1 + i % 16, i % 1000))  # long salts too
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert histories.tenants == tenants and len(histories) <= max_tokens
+    assert held < max_tokens * 8 + tenants * 2048, held  # docs/operating.md: tokens x 8 B + ~1.5 kB a tenant
+    draft = histories.pool("regular").draft(np.array([7, *range(100, 106)]), 4, 24)
+    assert draft.tokens.tolist() == [106, 107, 108, 109]
+
+
+def test_returning_tenants_leave_room_for_newcomers_to_return():
+    """Returning tenants hold at most their share of the pools: a newcomer that comes back
+    before the next few newcomers push it out becomes a returning tenant itself."""
+    from vllm_selfspec.lookup import TenantHistories
+
+    histories = TenantHistories(10_000, max_tenants=8)
+    for t in range(8):  # eight tenants, each twice: all returning, more than their share
+        histories.add(f"old{t}", np.array([t]))
+        histories.add(f"old{t}", np.array([t]))
+    assert len(histories.returning) == 6 and histories.tenants == 8
+    histories.add("new", np.array([1]))
+    histories.add("new", np.array([2]))
+    assert histories.pool("new") is not None and "new" not in {None}
+    assert histories.key("new") in histories.returning
 
 
 def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():
@@ -312,6 +370,39 @@ def test_a_step_a_new_prompt_waits_for_stays_within_the_slack_of_plains():
     dear_verification = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=0.9, self_rate=0.1, t_verify=3 * t1 * fit)
     assert sum(dear_verification.plan(offers, self_budget=0).lookup_lengths) > 0
     assert sum(dear_verification.plan(offers, self_budget=0, prompts_waiting=True).lookup_lengths) == 0
+
+
+def test_a_self_draft_a_new_prompt_waits_for_is_cut_to_the_slack_or_refused_when_one_token_exceeds_it():
+    """A self-draft token costs its verification and a draft step, and a prompt waiting for the
+    step waits for both: with one waiting, the self-draft takes only the tokens that fit in
+    FIRST_TOKEN_SLACK of plain's step, none if one does not fit; with none waiting, the budget.
+    (Rows with a mask: no probe.)"""
+    from vllm_selfspec.control.planner import FIRST_TOKEN_SLACK
+
+    rows = [dataclasses.replace(self_rows(1)[0], has_mask=True)]
+    for self_step, fit in ((0.004, 2), (0.02, 0)):  # a self-draft token: 5 ms, 21 ms; the slack 12.55 ms
+        controller = trained(t0=0.25, t1=0.001, self_step=self_step, lookup_rate=0.9, self_rate=0.9)
+        step = controller.costs.target()
+        per_token = step.t_row + controller.costs.self_step_seconds(1)
+        assert int((FIRST_TOKEN_SLACK * (step.t0 + step.t_row) - step.t_verify) / per_token) == fit
+        assert controller.plan(rows, self_budget=4).self_length == 4
+        assert controller.plan(rows, self_budget=4, prompts_waiting=True).self_length == fit
+
+
+def test_a_retry_is_refused_while_a_prompt_waits_for_its_step():
+    """A retry costs a draft step, and a probe when no row has a mask yet (a few target steps),
+    for a source that did not pay when last used: a prompt waiting for the step would wait for
+    all of it. The retry that is due is made at the next step no prompt waits for."""
+    from vllm_selfspec.control.planner import FIRST_RETRY_AFTER
+
+    for has_mask in (True, False):
+        controller = trained(t0=0.25, t1=0.02, self_step=0.1, lookup_rate=0.8, self_rate=0.2)
+        controller.observe_probe(rows=1, seconds=0.5)
+        rows = [dataclasses.replace(self_rows(1)[0], has_mask=has_mask)]
+        assert not any(controller.plan(rows, 4).explored for _ in range(FIRST_RETRY_AFTER - 1))  # one more is due
+        assert not any(controller.plan(rows, 4, prompts_waiting=True).explored for _ in range(3))
+        retry = controller.plan(rows, 4)
+        assert retry.explored and retry.self_rows == [True] and retry.self_length == 1
 
 
 def observe_shares(calibration, accepted_share: float, drafts: int = 2000) -> None:
@@ -571,7 +662,7 @@ def test_head_ids_map_draft_columns_back_to_token_ids():
 def test_history_pools_are_per_tenant_and_bounded_in_all():
     from vllm_selfspec.lookup import TenantHistories
 
-    histories = TenantHistories(max_tokens=1000)
+    histories = TenantHistories(max_tokens=1000, max_tenants=1000, share_unsalted=True)
     for tenant in ("a", None):
         histories.add(tenant, np.array([8, 9, 10, 11]))
     assert histories.pool("b") is None
@@ -629,26 +720,52 @@ def test_lookup_stops_when_it_costs_more_than_its_accepted_tokens_save_and_is_re
     assert cheap.open(seconds_per_token)
 
 
-def naive_histories(max_tokens: int, adds) -> dict:
+def naive_histories(max_tokens: int, max_tenants: int, adds) -> dict:
     """The pools TenantHistories should hold, by the rule itself: every output kept per tenant
-    with its separator, the least recently used tenant's oldest outputs dropped first."""
+    with its separator; tenants with one output are newcomers, the rest returning (at most 3/4
+    of the pools, the least recently used demoted); room is taken from the least recently used
+    newcomer first, then the least recently used returning tenant, never from the tenant just
+    added to while another exists; the tenant bound drops whole pools, the token bound the
+    oldest outputs."""
     from collections import OrderedDict
 
-    pools: OrderedDict = OrderedDict()
+    newcomers: OrderedDict = OrderedDict()
+    returning: OrderedDict = OrderedDict()
+    size = lambda outs: sum(len(o) + 1 for o in outs) + 1  # noqa: E731
+    total = lambda: sum(size(o) for seg in (newcomers, returning) for o in seg.values())  # noqa: E731
     for tenant, output in adds:
-        outputs = pools.pop(tenant, [])
-        pools[tenant] = [*outputs, list(output)]
-        own = sum(len(o) + 1 for o in pools[tenant]) + 1
-        while own > max_tokens and pools[tenant]:  # a pool never holds more than the whole budget
-            own -= len(pools[tenant].pop(0)) + 1
-        total = lambda: sum(sum(len(o) + 1 for o in outs) + 1 for outs in pools.values())  # noqa: E731
+        if tenant in returning or tenant in newcomers:
+            outputs = returning.pop(tenant) if tenant in returning else newcomers.pop(tenant)
+            segment = returning
+        else:
+            outputs, segment = [], newcomers
+        outputs = [*outputs, list(output)]
+        while size(outputs) > max_tokens and outputs:  # a pool never holds more than the whole budget
+            outputs.pop(0)
+        segment[tenant] = outputs
+        while len(returning) > max(1, int(0.75 * max_tenants)):
+            demoted, outs = returning.popitem(last=False)
+            newcomers[demoted] = outs
+            newcomers.move_to_end(demoted, last=False)
+
+        def victim(spared=tenant):
+            for seg in (newcomers, returning):
+                for t in list(seg)[:2]:
+                    if t != spared:
+                        return seg, t
+            return (returning if spared in returning else newcomers), spared
+
+        while len(newcomers) + len(returning) > max_tenants:
+            seg, t = victim()
+            del seg[t]
         while total() > max_tokens:
-            oldest = next(iter(pools))
+            seg, t = victim()
             excess = total() - max_tokens
-            while excess > 0 and pools[oldest]:
-                excess -= len(pools[oldest].pop(0)) + 1
-            if not pools[oldest]:
-                del pools[oldest]
+            while excess > 0 and seg[t]:
+                excess -= len(seg[t].pop(0)) + 1
+            if not seg[t]:
+                del seg[t]
+    pools = {**newcomers, **returning}
     return {t: [SEPARATOR] + [x for o in outs for x in [*o, SEPARATOR]] for t, outs in pools.items()}
 
 
@@ -657,18 +774,19 @@ def test_tenant_histories_keep_what_the_rule_says_and_drop_cheaply():
 
     rng = np.random.default_rng(3)
     for trial in range(200):
-        max_tokens = int(rng.integers(5, 60))
+        max_tokens, max_tenants = int(rng.integers(5, 60)), int(rng.integers(1, 6))
         adds = [
-            (int(rng.integers(0, 4)) if rng.random() < 0.8 else None, rng.integers(0, 9, int(rng.integers(0, 12))))
+            (int(rng.integers(0, 6)) if rng.random() < 0.8 else None, rng.integers(0, 9, int(rng.integers(0, 12))))
             for _ in range(int(rng.integers(1, 30)))
         ]
-        histories = TenantHistories(max_tokens)
+        histories = TenantHistories(max_tokens, max_tenants=max_tenants, share_unsalted=True)
         for tenant, output in adds:
             histories.add(tenant, output)
-        want = naive_histories(max_tokens, adds)
-        got = {t: pool.tokens.tolist() for t, pool in histories.pools.items()}
-        assert got == want, (trial, max_tokens)
-        assert len(histories) == sum(len(p) for p in histories.pools.values()) <= max_tokens
+        want = naive_histories(max_tokens, max_tenants, adds)
+        got = {t: histories.pool(t).tokens.tolist() for t in want}
+        assert got == want and histories.tenants == len(want), (trial, max_tokens, max_tenants)
+        pools = [*histories.newcomers.values(), *histories.returning.values()]
+        assert len(histories) == sum(len(p) for p in pools) <= max_tokens
     # One tenant's many one-token outputs, then another tenant's long output: the eviction drops
     # thousands of outputs with one slice (a scan per dropped output took a third of a second).
     histories = TenantHistories(65_536)

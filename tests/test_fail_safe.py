@@ -97,7 +97,8 @@ def test_fault_points_raise_only_where_and_when_asked(monkeypatch):
             fail_safe.fault_point("draft")
     with pytest.raises(ValueError, match="unknown stage"):
         fail_safe._parse("verify@1")
-    assert fail_safe._parse("lookup@5@rank1") == {"lookup": (5, 1)}
+    assert fail_safe._parse("lookup@5@rank1") == {"lookup": fail_safe._Injection(5, 1, None)}
+    assert fail_safe._parse("lookup@token7") == {"lookup": fail_safe._Injection(None, None, 7)}
     with pytest.raises(ValueError, match="before the ranks' agreement"):
         fail_safe._parse("draft@5@rank1")  # after the agreement a rank cannot skip alone
 

@@ -124,7 +124,7 @@ def test_operators_read_the_proposer_on_metrics_without_dev_mode(servers):
     assert self_admg_metric(admg, "drafting_disabled") == 0
     assert httpx.post(admg.url("/collective_rpc"), json={"method": "self_admg_state"}, timeout=10).status_code == 404
     text = httpx.get(admg.url("/metrics"), timeout=10).text
-    assert 'vllm:self_admg_draft_tokens_total{rank="0",source="self"}' in text
+    assert 'vllm:self_admg_draft_tokens_total{engine="0",rank="0",source="self"}' in text
 
 
 def test_chat_and_streaming_match_plain_server(servers):

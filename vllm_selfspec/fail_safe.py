@@ -4,36 +4,60 @@ Drafting is an optimisation: `FailSafe.call` runs one proposer step and, if anyt
 raises, returns no drafts for that step instead, so the step's tokens are exactly plain
 decoding's (draft KV written before the fault lies past the verified range, and the next
 verification rewrites those slots before any attention reads them). Each fault is counted and
-logged (the first of each kind with its traceback); after `MAX_CONSECUTIVE_FAULTS` faults in a
-row, or `MAX_FAULTS` in all, self-admg switches itself off for the engine with one ERROR line
-and the engine serves on as plain decoding.
+logged (the first of each kind with its traceback).
+
+The budget heals. Faults are counted over the last `WINDOW_STEPS` steps: after
+`MAX_CONSECUTIVE_FAULTS` faulted steps in a row, or `MAX_FAULTS_IN_WINDOW` faults within the
+window, self-admg switches drafting off with one ERROR line and the engine serves on as plain
+decoding. After a cool-down of `COOL_DOWN_STEPS` steps it drafts again on probation; a switch-off
+within the window after that doubles the next cool-down (up to `MAX_COOL_DOWN_STEPS`), a clean
+window resets it. So rare transient faults never switch drafting off for good, and a persistent
+one costs a probe step once in a long while.
+
+A fault that one request causes costs that request's drafts before anyone else's
+(`RequestQuarantine`): where a fault is the work of one row (its lookup), that request drafts no
+more, and neither does a later request with the same prompt, so a client that resends what made
+drafting fault costs one fault, not the engine's budget. Such a fault costs no other row's
+drafts. Quarantine is rank-local: rank 0's plan, which every rank follows, leaves its rows out.
 
 Tensor-parallel ranks meet in collectives inside a step (broadcasts, the model's all-reduces),
 and a rank that skips them stalls the others. So a step is split where the ranks first meet:
 everything before is rank-local (learning, lookup, planning), and `agree` then takes one small
-all-reduce of (this rank failed, this rank wants drafting off). If any rank failed, every rank
-skips drafting that step; if any rank wants drafting off, every rank switches it off in that
-same step. After the agreement every rank runs the same forwards on the same broadcast inputs.
+all-reduce of (this rank failed, this rank wants drafting off, other votes). If any rank
+failed, every rank skips drafting that step; if any rank wants drafting off, every rank
+switches it off in that same step, and every rank then counts the same cool-down. After the
+agreement every rank runs the same forwards on the same broadcast inputs.
 
-Tests inject faults through `VLLM_SELFSPEC_INJECT_FAULT`: comma-separated `STAGE@N` (raise at
-the N-th call of that stage) or `STAGE@every`, for the stages in `STAGES`; `STAGE@N@rankR`
-raises on tensor-parallel rank R only (rank-local stages only, `LOCAL_STAGES`).
+Tests inject faults through `VLLM_SELFSPEC_INJECT_FAULT` (one WARNING at start-up says it is
+set): comma-separated `STAGE@N` (raise at the N-th call of that stage), `STAGE@every`, or
+`STAGE@tokenT` (raise where the row's tokens include token id T: a fault that one request
+causes), for the stages in `STAGES`; `STAGE@N@rankR` raises on tensor-parallel rank R only
+(rank-local stages only, `LOCAL_STAGES`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 logger = logging.getLogger("vllm.selfspec")
 
 MAX_CONSECUTIVE_FAULTS = 3
-MAX_FAULTS = 20
+MAX_FAULTS_IN_WINDOW = 20
+WINDOW_STEPS = 1000
+COOL_DOWN_STEPS = 2000
+MAX_COOL_DOWN_STEPS = 128_000
 MAX_KINDS_REMEMBERED = 64  # distinct fault messages kept (for the first-of-kind traceback)
+MAX_PROMPTS_QUARANTINED = 1024
 INJECT_ENV = "VLLM_SELFSPEC_INJECT_FAULT"
-STAGES = ("lookup", "plan", "probe", "draft")
+# The proposer's stages, then the hooks the plugin adds to vLLM's loop (runner and scheduler).
+STAGES = ("lookup", "plan", "probe", "draft", "update_states", "request_removed", "sample", "new_request", "schedule")
 LOCAL_STAGES = ("lookup", "plan")  # before the ranks' agreement
 
 
@@ -47,14 +71,36 @@ def _alone(flags: list[int]) -> list[int]:
 
 @dataclass
 class FailSafe:
-    faults: int = 0
+    faults: int = 0  # since the engine started (the metric)
     consecutive: int = 0
     disabled: bool = False
     switch_off_wanted: bool = False  # this rank's faults reached a limit; `agree` makes it so everywhere
     steps_skipped: int = 0  # steps every rank ran without drafts because some rank failed
+    switch_offs: int = 0
     kinds_seen: set = field(default_factory=set)
     # The element-wise maximum of each rank's flags (one all-reduce); alone, the flags themselves.
     max_over_ranks: Callable[[list[int]], list[int]] = _alone
+    step: int = 0  # steps seen (`tick`), alike on every rank
+    recent: deque = field(default_factory=deque)  # the steps of the faults within the window
+    cool_down: int = COOL_DOWN_STEPS
+    resume_at: int = 0  # while disabled: the step drafting resumes at
+    probation_until: int = 0  # a switch-off before this step doubles the next cool-down
+
+    def tick(self) -> None:
+        """A step began (every rank calls it once per step, drafting or not): the window moves
+        on, and a cool-down that ended re-enables drafting, on probation."""
+        self.step += 1
+        while self.recent and self.recent[0] <= self.step - WINDOW_STEPS:
+            self.recent.popleft()
+        if self.disabled and self.step >= self.resume_at:
+            self.disabled = self.switch_off_wanted = False
+            self.consecutive = 0
+            self.recent.clear()
+            self.probation_until = self.step + WINDOW_STEPS
+            logger.warning("self-admg drafts again after %d steps switched off, on probation", self.cool_down)
+        elif not self.disabled and self.probation_until and self.step >= self.probation_until:
+            self.probation_until = 0
+            self.cool_down = COOL_DOWN_STEPS  # a clean window: the next switch-off starts afresh
 
     def attempt(self, step):
         """`step()`, or None if it raises (the fault recorded): the rank-local part of a step."""
@@ -67,19 +113,13 @@ class FailSafe:
     def agree(self, ok: bool, votes: tuple[int, ...] = ()) -> tuple[bool, list[int]]:
         """Whether every rank may draft this step (this rank did its part, `ok`, no rank failed
         and none wants drafting off), and the maximum over ranks of each of `votes` (other
-        per-step decisions the ranks must share). Every rank must call it in every step until
-        drafting is off, since it is a collective."""
+        per-step decisions the ranks must share). Every rank must call it in every step while
+        drafting is on, since it is a collective."""
         if self.disabled:
             return False, list(votes)
         failed, off, *agreed = self.max_over_ranks([int(not ok), int(self.switch_off_wanted), *votes])
         if off:
-            self.disabled = True
-            logger.error(
-                "self-admg switched off after drafting faults (%d on this rank, %d in a row): "
-                "serving on as plain decoding",
-                self.faults,
-                self.consecutive,
-            )
+            self._switch_off()
             return False, agreed
         if failed:
             self.steps_skipped += 1
@@ -98,26 +138,91 @@ class FailSafe:
 
     def record(self, err: Exception) -> None:
         self.faults += 1
-        self.consecutive += 1
         kind = f"{type(err).__name__}: {err}"
         first_of_kind = kind not in self.kinds_seen and len(self.kinds_seen) < MAX_KINDS_REMEMBERED
         if first_of_kind:
             self.kinds_seen.add(kind)
         if self.disabled:  # already serving as plain decoding: a clean-up fault needs no alarm
-            logger.debug("self-admg fault after switch-off: %s", kind)
+            logger.debug("self-admg fault while switched off: %s", kind)
             return
+        self.consecutive += 1
+        self.recent.append(self.step)
         logger.warning(
             "self-admg drafting fault (%d so far), this step runs without drafts: %s",
             self.faults,
             kind,
             exc_info=err if first_of_kind else None,
         )
-        if self.consecutive >= MAX_CONSECUTIVE_FAULTS or self.faults >= MAX_FAULTS:
+        if self.consecutive >= MAX_CONSECUTIVE_FAULTS or len(self.recent) >= MAX_FAULTS_IN_WINDOW:
             self.switch_off_wanted = True
 
+    def _switch_off(self) -> None:
+        if self.probation_until and self.step < self.probation_until:
+            self.cool_down = min(2 * self.cool_down, MAX_COOL_DOWN_STEPS)
+        self.disabled = True
+        self.switch_offs += 1
+        self.probation_until = 0
+        self.resume_at = self.step + self.cool_down
+        logger.error(
+            "self-admg switched off after drafting faults (%d within %d steps on this rank, %d in a "
+            "row): serving as plain decoding for the next %d steps",
+            len(self.recent),
+            WINDOW_STEPS,
+            self.consecutive,
+            self.cool_down,
+        )
 
-def _parse(spec: str) -> dict[str, tuple[int | None, int | None]]:
-    """stage -> (call number or None for every call, rank or None for every rank)."""
+
+def _digest(prompt) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(prompt, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class RequestQuarantine:
+    """Requests that draft no more: those drafting in a step that faulted, and later requests
+    with the prompt of one of those (the last `MAX_PROMPTS_QUARANTINED` prompts, as digests).
+    Costs nothing until some step faulted; after that, one digest per new request."""
+
+    def __init__(self, max_prompts: int = MAX_PROMPTS_QUARANTINED):
+        self.max_prompts = max_prompts
+        self.requests: set[str] = set()  # live requests only (`forget`)
+        self.prompts: OrderedDict[bytes, None] = OrderedDict()
+        self._digests: dict[str, bytes] = {}  # live requests' prompt digests, once any prompt is quarantined
+
+    def allows(self, req_id: str, prompt: Callable[[], np.ndarray]) -> bool:
+        if req_id in self.requests:
+            return False
+        if not self.prompts:
+            return True
+        digest = self._digests.get(req_id)
+        if digest is None:
+            digest = self._digests[req_id] = _digest(prompt())
+        if digest in self.prompts:
+            self.requests.add(req_id)
+            return False
+        return True
+
+    def blame(self, req_id: str, prompt: np.ndarray) -> None:
+        """Quarantine this request and its prompt."""
+        self.requests.add(req_id)
+        digest = self._digests[req_id] = _digest(prompt)
+        self.prompts[digest] = None
+        self.prompts.move_to_end(digest)
+        while len(self.prompts) > self.max_prompts:
+            self.prompts.popitem(last=False)
+
+    def forget(self, req_id: str) -> None:
+        self.requests.discard(req_id)
+        self._digests.pop(req_id, None)
+
+
+@dataclass(frozen=True)
+class _Injection:
+    call: int | None  # the call number, or None for every call (or by token)
+    rank: int | None
+    token: int | None  # raise where the row's tokens include this id
+
+
+def _parse(spec: str) -> dict[str, _Injection]:
     points = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         stage, _, rest = item.partition("@")
@@ -129,24 +234,45 @@ def _parse(spec: str) -> dict[str, tuple[int | None, int | None]]:
                 f"{INJECT_ENV}: {item!r}: a fault on one rank is written STAGE@N@rankR, for the "
                 f"stages before the ranks' agreement {list(LOCAL_STAGES)}"
             )
-        points[stage] = (None if when in ("", "every") else int(when), int(rank[4:]) if rank else None)
+        token = int(when[5:]) if when.startswith("token") else None
+        call = None if when in ("", "every") or token is not None else int(when)
+        points[stage] = _Injection(call, int(rank[4:]) if rank else None, token)
     return points
 
 
-_injected: dict[str, tuple[int | None, int | None]] | None = None  # read from the environment at the first call
+_injected: dict[str, _Injection] | None = None  # read from the environment at the first call
 _calls: dict[str, int] = {}
 
 
-def fault_point(stage: str) -> None:
-    """Raise `InjectedFault` here if a test asked for one at this stage, call and rank."""
+def warn_if_injecting() -> None:
+    """One WARNING where faults are injected (a test's setting that production must not carry)."""
+    if os.environ.get(INJECT_ENV):
+        logger.warning(
+            "%s=%r: self-admg raises faults on purpose (drafts lost, drafting may switch off); for tests only",
+            INJECT_ENV,
+            os.environ[INJECT_ENV],
+        )
+
+
+def fault_point(stage: str, tokens: np.ndarray | None = None) -> None:
+    """Raise `InjectedFault` here if a test asked for one at this stage, call and rank, or, with
+    `tokens` (a row's), for a row holding the test's token."""
     global _injected
     if _injected is None:
         _injected = _parse(os.environ.get(INJECT_ENV, ""))
-    if not _injected or stage not in _injected:
+    injection = _injected.get(stage) if _injected else None
+    if injection is None:
         return
+    if injection.token is not None:
+        if tokens is not None and injection.token in tokens:
+            raise InjectedFault(f"injected fault at {stage} (token {injection.token})")
+        return
+    if tokens is not None:
+        return  # a per-row point: only token faults strike there
     _calls[stage] = _calls.get(stage, 0) + 1
-    when, rank = _injected[stage]
-    if (when is None or when == _calls[stage]) and (rank is None or rank == _rank()):
+    if (injection.call is None or injection.call == _calls[stage]) and (
+        injection.rank is None or injection.rank == _rank()
+    ):
         raise InjectedFault(f"injected fault at {stage} (call {_calls[stage]})")
 
 

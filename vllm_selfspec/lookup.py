@@ -23,6 +23,8 @@ earlier occurrence says 1/2 for a copied sentence and for a code fragment alike)
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -224,42 +226,108 @@ class OutputHistory:
 # A request whose tenant is not known: it neither drafts from any pool nor adds to one (fail
 # closed: an unknown tenant is nobody's, not the shared pool's).
 UNKNOWN_TENANT = object()
+_NO_POOL = object()  # a tenant whose requests get no pool: unknown, or unsalted where sharing is off
 
 
 class TenantHistories:
     """Earlier outputs, one pool per tenant: a request drafts only from the outputs of requests
-    with its own `cache_salt` (None: the shared pool of requests without one, as in vLLM's
-    prefix cache; UNKNOWN_TENANT: none at all). All pools together hold at most `max_tokens`
-    token ids (8 bytes each, separators included): the least recently used tenant's oldest
-    outputs go first. Adding costs a copy of the tenant's own pool and the outputs dropped."""
+    with its own `cache_salt`. A request without one (tenant None) gets no pool unless
+    `share_unsalted` (then every unsalted request shares one, as they share vLLM's prefix
+    cache); UNKNOWN_TENANT never gets one. Salts are kept as fixed-size digests, so a long salt
+    costs no more than a short one.
 
-    def __init__(self, max_tokens: int):
+    Bounded twice: all pools together hold at most `max_tokens` token ids (8 bytes each,
+    separators included), and at most `max_tenants` pools exist. When either bound is passed,
+    room is made in a segmented least-recently-used order (SLRU, the usual defence of a cache
+    against one-off scans): first the newcomers' pools (tenants with one output so far), then
+    the returning tenants' (two or more). A flood of one-shot salts therefore only churns the
+    newcomers, and a tenant that keeps coming back keeps its history. Returning tenants hold at
+    most `RETURNING_SHARE` of the pools, so that a newcomer can still come back and stay.
+    Adding costs a copy of the tenant's own pool and the outputs dropped."""
+
+    RETURNING_SHARE = 0.75
+
+    def __init__(self, max_tokens: int, max_tenants: int = 256, share_unsalted: bool = False):
         self.max_tokens = max_tokens
-        self.pools: OrderedDict[str | None, OutputHistory] = OrderedDict()
+        self.max_tenants = max(1, max_tenants)
+        self.share_unsalted = share_unsalted
+        # Least recently added to first, in each segment.
+        self.newcomers: OrderedDict[bytes | None, OutputHistory] = OrderedDict()
+        self.returning: OrderedDict[bytes | None, OutputHistory] = OrderedDict()
         self._total = 0  # len() of every pool together
 
     def __len__(self) -> int:
         return self._total
 
+    @property
+    def tenants(self) -> int:
+        return len(self.newcomers) + len(self.returning)
+
+    def key(self, tenant):
+        """The pool's key for a tenant: a digest of its salt, None for the shared unsalted pool,
+        or `_NO_POOL`."""
+        if tenant is UNKNOWN_TENANT or (tenant is None and not self.share_unsalted):
+            return _NO_POOL
+        if tenant is None:
+            return None
+        return hashlib.blake2b(str(tenant).encode(), digest_size=16).digest()
+
     def pool(self, tenant) -> OutputHistory | None:
-        return None if tenant is UNKNOWN_TENANT else self.pools.get(tenant)
+        key = self.key(tenant)
+        if key is _NO_POOL:
+            return None
+        found = self.returning.get(key)
+        return found if found is not None else self.newcomers.get(key)
 
     def add(self, tenant, output: np.ndarray) -> None:
-        if tenant is UNKNOWN_TENANT:
+        key = self.key(tenant)
+        if key is _NO_POOL:
             return
-        pool = self.pools.pop(tenant, None)
+        pool = self.returning.pop(key, None)
+        if pool is None:
+            pool = self.newcomers.pop(key, None)
         counted = 0 if pool is None else len(pool)  # a new pool is not in the total yet
+        segment = self.newcomers if pool is None else self.returning
         if pool is None:
             pool = OutputHistory(self.max_tokens)
-        self.pools[tenant] = pool  # the most recently used last
+        segment[key] = pool  # the most recently used last
         pool.add(output)
         self._total += len(pool) - counted
+        while len(self.returning) > max(1, int(self.RETURNING_SHARE * self.max_tenants)):
+            demoted, demoted_pool = self.returning.popitem(last=False)
+            self.newcomers[demoted] = demoted_pool
+            self.newcomers.move_to_end(demoted, last=False)  # next in line among the newcomers
+        while self.tenants > self.max_tenants:
+            victim = self._victim(key)
+            self._drop_tokens(victim, self._total)  # all of its outputs: the pool goes
         while self._total > self.max_tokens:
-            oldest_tenant, oldest = next(iter(self.pools.items()))
-            self._total -= oldest.drop(self._total - self.max_tokens)
-            if len(oldest) <= 1:  # no output left: the pool goes, separator and all
-                self._total -= len(oldest)
-                del self.pools[oldest_tenant]
+            self._drop_tokens(self._victim(key), self._total - self.max_tokens)
+
+    def clear(self) -> None:
+        """Forget every output (vLLM reset its prefix cache, or went to sleep)."""
+        self.newcomers.clear()
+        self.returning.clear()
+        self._total = 0
+
+    def _victim(self, spared):
+        """The key of the pool to take room from: the least recently used newcomer, else the
+        least recently used returning tenant, other than `spared` (the pool just added to)
+        while any other exists."""
+        for segment in (self.newcomers, self.returning):
+            for key in itertools.islice(segment, 2):
+                if key != spared:
+                    return key
+        return spared
+
+    def _drop_tokens(self, key, tokens: int) -> None:
+        """Drop the oldest whole outputs of `key`'s pool until `tokens` token ids are gone; a
+        pool left with no output goes, separator and all."""
+        segment = self.newcomers if key in self.newcomers else self.returning
+        pool = segment[key]
+        self._total -= pool.drop(tokens)
+        if len(pool) <= 1:
+            self._total -= len(pool)
+            del segment[key]
 
 
 def lookup_draft(

@@ -1,14 +1,23 @@
 """Self-admg's counters on vLLM's Prometheus `/metrics`, for operators, without dev mode.
 
 The proposer runs in the workers, and vLLM serves `/metrics` from its API server process. When
-a server asks for self-admg, the front door gives the engine a private directory
-(`VLLM_SELFSPEC_METRICS_DIR`, inherited by the engine's processes): each worker writes a small
-snapshot of its counters there once a second (`MetricsPublisher`, atomically), and a
-collector in the API server reads the snapshots whenever `/metrics` is scraped
-(`SelfAdmgCollector`). The snapshots hold counters only: no request ids, nothing a request
-sent. Offline engines (`LLM`) get no directory and write nothing.
+a server asks for self-admg, the front door gives the engines a private directory
+(`VLLM_SELFSPEC_METRICS_DIR`, inherited by the processes the server then starts): each worker
+writes a small snapshot of its counters there once a second (`MetricsPublisher`, atomically,
+one file per worker process), and a collector in the API server reads the snapshots whenever
+`/metrics` is scraped (`SelfAdmgCollector`). The snapshots hold counters only: no request ids,
+nothing a request sent. Offline engines (`LLM`) get no directory and write nothing. Only the
+engines that this API server starts are seen: those a `--headless` node starts write to a
+directory on their own node, which no API server reads.
 
-Exposed, each with a `rank` label (the tensor-parallel rank):
+Every series carries an `engine` label (the data-parallel rank, as on vLLM's own series: the
+proposer reads vLLM's `data_parallel_index`, since `data_parallel_rank` is 0 in every engine of
+a dense model) and a `rank` label (the tensor-parallel rank), so no two workers share a label
+set. A worker that restarts leaves its old process's file behind; of the files of one (engine,
+rank) only the most recently written counts. A file that is not a snapshot is skipped and
+counted, and a scrape never fails for self-admg's sake: vLLM's own series are on the same page.
+
+Exposed, each with `engine` and `rank` labels:
   vllm:self_admg_faults_total, vllm:self_admg_steps_skipped_for_faults_total,
   vllm:self_admg_drafting_disabled (0 or 1),
   vllm:self_admg_draft_tokens_total{source="self"|"context"|"history"},
@@ -17,6 +26,8 @@ Exposed, each with a `rank` label (the tensor-parallel rank):
   vllm:self_admg_probe_seconds_total, vllm:self_admg_proposer_steps_total,
   vllm:self_admg_proposer_seconds_total (its rate over steps' rate: proposer time per step),
   vllm:self_admg_requests_holding_state (requests the proposer keeps a skip mask for).
+And without labels: vllm:self_admg_snapshots_unreadable_total (snapshot files a scrape skipped
+because they were not a worker's snapshot; any increase means some worker's counters are missing).
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ logger = logging.getLogger("vllm.selfspec")
 METRICS_DIR_ENV = "VLLM_SELFSPEC_METRICS_DIR"
 PUBLISH_EVERY_SECONDS = 1.0
 PREFIX = "vllm:self_admg_"
+LABELS = ("engine", "rank")
+# The workers' snapshot files; their temporaries end in .tmp, so a reader never matches one.
+SNAPSHOT_GLOB = "engine*-rank*-*.json"
 
 # name in the snapshot -> (kind, help)
 METRICS = {
@@ -56,20 +70,26 @@ METRICS = {
     "proposer_seconds": ("counter", "Seconds the proposer spent in those steps, on the step's critical path"),
     "requests_holding_state": ("gauge", "Requests the proposer keeps a skip mask for (0 when idle)"),
 }
+BY_SOURCE = "draft_tokens"  # the one metric whose value is {source: count}
+UNREADABLE = "snapshots_unreadable"
+UNREADABLE_HELP = "Snapshot files scrapes skipped as unreadable (a worker's counters are missing meanwhile)"
 
 
 class MetricsPublisher:
     """A worker's side: a daemon thread writes the proposer's snapshot to `directory` once a
     second, so publishing costs no step anything and an idle engine's last counts still arrive.
-    Writing never raises into the worker."""
+    `engine` is the data-parallel rank, `rank` the tensor-parallel rank. Writing never raises
+    into the worker; its first failure is a WARNING, the rest DEBUG (it fails the same way each
+    second)."""
 
-    def __init__(self, directory: str | None, rank: int = 0):
-        self.path = Path(directory) / f"rank{rank}-{os.getpid()}.json" if directory else None
-        self.rank = rank
+    def __init__(self, directory: str | None, rank: int = 0, engine: int = 0):
+        self.rank, self.engine = rank, engine
+        self.path = Path(directory) / f"engine{engine}-rank{rank}-{os.getpid()}.json" if directory else None
+        self.failed = False
 
     @classmethod
-    def from_environment(cls, rank: int = 0) -> MetricsPublisher:
-        return cls(os.environ.get(METRICS_DIR_ENV), rank)
+    def from_environment(cls, rank: int = 0, engine: int = 0) -> MetricsPublisher:
+        return cls(os.environ.get(METRICS_DIR_ENV), rank, engine)
 
     def start(self, source, snapshot: Callable[[object], dict]) -> None:
         """Publish `snapshot(source)` once a second for as long as `source` lives (the thread
@@ -89,10 +109,47 @@ class MetricsPublisher:
     def publish(self, snapshot: Callable[[], dict]) -> None:
         try:
             temporary = self.path.with_suffix(".tmp")
-            temporary.write_text(json.dumps({"rank": self.rank, **snapshot()}))
+            temporary.write_text(json.dumps({"engine": self.engine, "rank": self.rank, **snapshot()}))
             os.replace(temporary, self.path)  # a reader sees the old snapshot or the new one
         except Exception as err:  # metrics must never cost the engine anything
-            logger.debug("self-admg metrics not written: %s", err)
+            first, self.failed = not self.failed, True
+            logger.log(
+                logging.WARNING if first else logging.DEBUG,
+                "self-admg's counters of engine %s rank %s not published (%s); later failures are logged at DEBUG",
+                self.engine,
+                self.rank,
+                err,
+            )
+
+
+def _label(value) -> str:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"not an integer label: {value!r}")
+    return str(value)
+
+
+def _number(name: str, value) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} is not a number: {value!r}")
+    return float(value)  # OverflowError for an integer too large, here rather than at printing
+
+
+def _value(name: str, value):
+    """A snapshot's value as floats: a number, or {source: number} for draft_tokens."""
+    if name != BY_SOURCE:
+        return _number(name, value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} is not an object: {value!r}")
+    return {source: _number(name, count) for source, count in value.items()}
+
+
+def parse_snapshot(data) -> tuple[tuple[str, str], dict]:
+    """((engine, rank) labels, {metric: value}) of a decoded snapshot file; raises if it is not
+    one. Metrics it lacks are left out; keys it has beyond them are ignored."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not an object: {type(data).__name__}")
+    labels = (_label(data.get("engine")), _label(data.get("rank")))
+    return labels, {name: _value(name, data[name]) for name in METRICS if data.get(name) is not None}
 
 
 class SelfAdmgCollector:
@@ -100,33 +157,72 @@ class SelfAdmgCollector:
 
     def __init__(self, directory: str):
         self.directory = Path(directory)
+        self.unreadable = 0  # files skipped, summed over scrapes
+        self.lock = threading.Lock()  # scrapes may overlap
+        self.warned = False
 
-    def snapshots(self) -> list[dict]:
-        found = []
-        for path in sorted(self.directory.glob("rank*.json")):
+    def snapshots(self) -> dict[tuple[str, str], dict]:
+        """{(engine, rank): metrics} from the newest readable file of each (engine, rank)."""
+        newest: dict[tuple[str, str], tuple[int, dict]] = {}
+        skipped = 0
+        for path in sorted(self.directory.glob(SNAPSHOT_GLOB)):
             try:
-                found.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue  # being replaced or gone: the next scrape reads it
-        return found
+                written = path.stat().st_mtime_ns
+                labels, metrics = parse_snapshot(json.loads(path.read_text()))
+            except FileNotFoundError:
+                continue  # gone between listing and reading (its worker exited, or a replace)
+            except Exception:  # anything else: not a snapshot (one odd file must not cost the others)
+                skipped += 1
+                continue
+            if labels not in newest or written > newest[labels][0]:  # an old process's file loses
+                newest[labels] = (written, metrics)
+        with self.lock:
+            self.unreadable += skipped
+        return {labels: metrics for labels, (_, metrics) in newest.items()}
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        snapshots = self.snapshots()
+        """The families, as far as they can be built: a failure here would fail the whole page,
+        vLLM's own series with it, so it is logged (once) instead."""
+        try:
+            snapshots = self.snapshots()
+        except Exception as err:
+            self._warn(err)
+            snapshots = {}
         for name, (kind, help_text) in METRICS.items():
-            labels = ["rank", "source"] if name == "draft_tokens" else ["rank"]
-            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                PREFIX + name, help_text, labels=labels
-            )
-            for snapshot in snapshots:
-                value, rank = snapshot.get(name), str(snapshot.get("rank", 0))
-                if isinstance(value, dict):
-                    for source, count in value.items():
-                        family.add_metric([rank, source], count)
-                elif value is not None:
-                    family.add_metric([rank], value)
+            try:
+                family = _family(name, kind, help_text, snapshots)
+            except Exception as err:
+                self._warn(err)
+                continue
             yield family
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily(PREFIX + UNREADABLE, UNREADABLE_HELP, value=self.unreadable)
+
+    def _warn(self, err: Exception) -> None:
+        first, self.warned = not self.warned, True
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "self-admg's counters partly left off /metrics: %r",
+            err,
+            exc_info=first,
+        )
+
+
+def _family(name: str, kind: str, help_text: str, snapshots: dict[tuple[str, str], dict]):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+        PREFIX + name, help_text, labels=[*LABELS, "source"] if name == BY_SOURCE else LABELS
+    )
+    for labels, metrics in sorted(snapshots.items()):
+        value = metrics.get(name)
+        if isinstance(value, dict):
+            for source, count in value.items():
+                family.add_metric([*labels, source], count)
+        elif value is not None:
+            family.add_metric(labels, value)
+    return family
 
 
 _served: str | None = None
@@ -134,12 +230,12 @@ _served: str | None = None
 
 def serve_on_prometheus() -> None:
     """In the API server's process, before the engine starts: make the workers' directory and
-    expose what they write on /metrics (vLLM's single-process registry). Once per process."""
+    expose what they write on /metrics (vLLM's single-process registry). Once per process. It
+    never raises: without a directory (a read-only or full disk) the server serves on, without
+    self-admg's series, and says so."""
     global _served
     if _served is not None:
         return
-    from prometheus_client import REGISTRY
-
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Several API server processes: vLLM then serves only what they write to that directory.
         logger.warning(
@@ -147,8 +243,24 @@ def serve_on_prometheus() -> None:
             "(PROMETHEUS_MULTIPROC_DIR is set); vLLM's own spec-decode counters are"
         )
         return
-    directory = tempfile.mkdtemp(prefix="vllm-selfspec-metrics-")  # private to this user (0700)
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    try:
+        directory = _expose_directory()
+    except Exception as err:
+        logger.warning("self-admg's counters are not on /metrics: %s; vLLM's own spec-decode counters are", err)
+        return
     os.environ[METRICS_DIR_ENV] = directory
-    REGISTRY.register(SelfAdmgCollector(directory))
     _served = directory
+
+
+def _expose_directory() -> str:
+    """A new directory for the workers' snapshots, its collector on vLLM's registry."""
+    from prometheus_client import REGISTRY
+
+    directory = tempfile.mkdtemp(prefix="vllm-selfspec-metrics-")  # private to this user (0700)
+    try:
+        REGISTRY.register(SelfAdmgCollector(directory))
+    except Exception:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory

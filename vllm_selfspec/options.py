@@ -152,6 +152,19 @@ class SelfAdmgOptions:
         0,
         262_144,
     )
+    lookup_history_tenants: int = option(
+        256,
+        "keep history for at most N tenants (cache_salts); tenants with one request so far "
+        "make room first, so that a flood of new salts spares the tenants that return",
+        1,
+        65_536,
+    )
+    lookup_history_unsalted: bool = option(
+        False,
+        "let requests without a cache_salt draft from each other's earlier outputs (one shared "
+        "pool); for single-user or trusted deployments only, since whether drafts arrive tells "
+        "a client how another user's answer went on",
+    )
     adaptive: bool = option(
         True, "draft only as many tokens as measured step costs and acceptance say pay, down to none (false = always K)"
     )

@@ -24,7 +24,7 @@ import torch
 
 from vllm_selfspec.control import DraftController, DraftPlan, DraftSource, RowOffer
 from vllm_selfspec.control.refills import Refills
-from vllm_selfspec.fail_safe import FailSafe, fault_point
+from vllm_selfspec.fail_safe import FailSafe, RequestQuarantine, fault_point, warn_if_injecting
 from vllm_selfspec.lookup import NO_DRAFT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.lookup import warm_up as warm_up_lookup
 from vllm_selfspec.metrics import MetricsPublisher
@@ -57,7 +57,7 @@ class PreparedStep:
     budgets: list[int]
     found: list[tuple[DraftSource, LookupDraft]]
     offers: list[RowOffer]
-    plan: DraftPlan
+    plan_ints: list[int]  # this rank's plan, ready for the broadcast (`DraftPlan.as_ints`)
 
 
 class FirstTokens(enum.Enum):
@@ -96,10 +96,16 @@ class SelfAdmgProposer:
         self.controller = DraftController()
         self.self_drafter: SelfDrafter | None = None
         self.history = (
-            TenantHistories(self.options.lookup_history)
+            TenantHistories(
+                self.options.lookup_history,
+                max_tenants=self.options.lookup_history_tenants,
+                share_unsalted=self.options.lookup_history_unsalted,
+            )
             if self.options.lookup and self.options.lookup_history
             else None
         )
+        self.quarantine = RequestQuarantine()
+        self._prefix_cache_resets = 0
         self._drafted: dict[str, DraftMade] = {}
         self._step_end: float | None = None
         self._look_up = True  # the ranks' agreed decision, for the next step
@@ -109,7 +115,11 @@ class SelfAdmgProposer:
         self._requests_ended = 0  # in the step before the last one the proposer saw
         self.refills = Refills()
         self.fail_safe = FailSafe(max_over_ranks=max_over_ranks)
-        MetricsPublisher.from_environment(rank=tensor_parallel_rank()).start(self, metrics_snapshot)
+        warn_if_injecting()
+        MetricsPublisher.from_environment(
+            rank=tensor_parallel_rank(),
+            engine=getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0),
+        ).start(self, metrics_snapshot)
         if self.options.lookup:
             self.fail_safe.attempt(warm_up_lookup)
 
@@ -134,17 +144,19 @@ class SelfAdmgProposer:
         start = time.perf_counter()
         rows = len(sampled_token_ids)
         try:
+            self.fail_safe.tick()
             if self.fail_safe.disabled:
                 return self._no_drafts(rows)
-            prepared = self.fail_safe.attempt(
-                lambda: self._prepare(StepView(runner, scheduler_output, sampled_token_ids))
-            )
-            may_draft, (look_up,) = self.fail_safe.agree(prepared is not None, (int(self._wants_lookup(prepared)),))
+            step = StepView(runner, scheduler_output, sampled_token_ids)
+            prepared = self.fail_safe.attempt(lambda: self._prepare(step))
+            warmed_up = self.self_drafter is not None and self.self_drafter.warmed_up
+            votes = (int(self._wants_lookup(prepared)), int(not warmed_up))
+            may_draft, (look_up, warm_up) = self.fail_safe.agree(prepared is not None, votes)
             self._look_up = bool(look_up)
             if not may_draft:
                 return self._no_drafts(rows)
             return self.fail_safe.call(
-                lambda: self._draft(prepared, common_attn_metadata), lambda: self._no_drafts(rows)
+                lambda: self._draft(prepared, common_attn_metadata, warm_up), lambda: self._no_drafts(rows)
             )
         finally:
             self._proposed_at = self._steps_run
@@ -154,6 +166,17 @@ class SelfAdmgProposer:
     def note_step(self) -> None:
         """The runner began a step (whether or not vLLM asks this proposer for drafts in it)."""
         self._steps_run += 1
+
+    def follow_prefix_cache_resets(self, resets: int) -> None:
+        """The scheduler's count of prefix-cache resets: a new one empties the history."""
+        if resets != self._prefix_cache_resets:
+            self._prefix_cache_resets = resets
+            self.forget_history()
+
+    def forget_history(self) -> None:
+        """Forget every earlier output (vLLM reset its prefix cache, or the worker sleeps)."""
+        if self.history is not None:
+            self.history.clear()
 
     def _wants_lookup(self, prepared: PreparedStep | None) -> bool:
         """This rank's vote on looking up next step (the ranks look up if any wants to): it is
@@ -176,7 +199,12 @@ class SelfAdmgProposer:
         offer each row's lookup draft and plan (each rank its own plan; rank 0's is used)."""
         self._learn(step)
         rows = step.rows
-        budgets = [self._draft_budget(row.tokens_left) if row.may_draft else 0 for row in rows]
+        budgets = [
+            self._draft_budget(row.tokens_left)
+            if row.may_draft and self.quarantine.allows(row.req_id, lambda: step.prompt(row.index))  # noqa: B023
+            else 0
+            for row in rows
+        ]
         found = self._lookup(step, rows, budgets)
         offers = [
             RowOffer(
@@ -192,41 +220,49 @@ class SelfAdmgProposer:
             )
             for row, budget, (source, draft) in zip(rows, budgets, found)
         ]
-        return PreparedStep(
-            step, budgets, found, offers, self._plan(offers, max(budgets, default=0), self._first_tokens(step))
-        )
+        plan = self._plan(offers, max(budgets, default=0), self._first_tokens(step))
+        return PreparedStep(step, budgets, found, offers, plan.as_ints())
 
-    def _draft(self, prepared: PreparedStep, common_attn_metadata) -> list[list[int]]:
-        """The part every rank runs alike: the shared plan, lookup drafts and self-drafts."""
-        step, budgets, found, offers = prepared.step, prepared.budgets, prepared.found, prepared.offers
+    def _draft(self, prepared: PreparedStep, common_attn_metadata, warm_up: bool) -> list[list[int]]:
+        """The part every rank runs alike: the shared plan, lookup drafts and self-drafts. Between
+        the agreement and the forwards nothing rank-local may raise (one rank's exception would
+        put the ranks' collectives out of step): the warm-up is the ranks' agreed vote, and
+        what is remembered to learn from later is guarded on its own."""
+        step, found, offers = prepared.step, prepared.found, prepared.offers
         rows = step.rows
-        plan = self._shared(prepared.plan, len(offers))
+        # Not `prepared.budgets`, which leave out the rank-local quarantine: rank 0's plan did.
+        budgets = [self._draft_budget(row.tokens_left) if row.may_draft else 0 for row in rows]
+        # Rank 0's plan on every rank: each rank planned from its own step timings.
+        shared = same_on_all_ranks(torch.tensor(prepared.plan_ints, device=self._device))
+        plan = DraftPlan.from_ints(shared.tolist(), len(offers))
         forward = DraftForward(step.runner, self.vllm_config, common_attn_metadata)
-        if not self.self_drafter.warmed_up and any(budgets):
+        if warm_up and any(budgets):
             warm_row = next(row.index for row, budget in zip(rows, budgets) if budget)
             self.counters.warmup_seconds += self.self_drafter.warm_up(step, forward, warm_row)
         drafts: list[list[int]] = [[] for _ in range(step.num_rows)]
         for row, offer, (source, draft), length in zip(rows, offers, found, plan.lookup_lengths):
             if length:
                 drafts[row.index] = [int(t) for t in draft.tokens[:length]]
-                expectation = self.controller.expected_accepted(offer, length)
-                self._drafted[row.req_id] = DraftMade(
-                    source,
-                    length,
-                    self.controller.calibration(offer, length),
-                    expectation.planned,
-                    expectation.estimated,
-                )
-                self.counters.lookup_tokens += length
-                if source == DraftSource.HISTORY:
-                    self.counters.history_tokens += length
-                else:
-                    self.counters.context_tokens += length
+                self.fail_safe.attempt(lambda: self._remember_lookup_draft(row.req_id, offer, source, length))  # noqa: B023
         self_rows = [(row, budget) for row, budget, chosen in zip(rows, budgets, plan.self_rows) if chosen]
         if plan.self_length and self_rows:
             self._self_draft(step, forward, self_rows, plan.self_length, drafts)
         self._step_end = time.perf_counter()
         return drafts
+
+    def _remember_lookup_draft(self, req_id: str, offer: RowOffer, source: DraftSource, length: int) -> bool:
+        """What to learn from a lookup draft once it is verified (rank-local: its fault costs
+        the lesson, not the draft)."""
+        expectation = self.controller.expected_accepted(offer, length)
+        self._drafted[req_id] = DraftMade(
+            source, length, self.controller.calibration(offer, length), expectation.planned, expectation.estimated
+        )
+        self.counters.lookup_tokens += length
+        if source == DraftSource.HISTORY:
+            self.counters.history_tokens += length
+        else:
+            self.counters.context_tokens += length
+        return True
 
     def _learn(self, step: StepView) -> None:
         """Feed the controller the step that just ran: its time against what it computed, and
@@ -273,20 +309,32 @@ class SelfAdmgProposer:
         return k if tokens_left is None else max(0, min(k, tokens_left - 1))
 
     def _lookup(self, step: StepView, rows: list[StepRow], budgets: list[int]) -> list[tuple[DraftSource, LookupDraft]]:
-        """Each row's best lookup draft (NO_DRAFT where lookup is off or finds nothing)."""
+        """Each row's best lookup draft (NO_DRAFT where lookup is off or finds nothing). A row
+        whose lookup raises is the request's own fault: it is quarantined (its budget set to 0
+        in `budgets`), and the other rows' drafts go on."""
         fault_point("lookup")
         found = []
         start, looked_up = time.perf_counter(), 0
-        for row, budget in zip(rows, budgets):
+        for i, (row, budget) in enumerate(zip(rows, budgets)):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
             if self.options.lookup and self._look_up and budget:
-                history = self.history.pool(step.tenant(row.index)) if self.history is not None else None
-                source, draft = lookup_draft(step.context(row.index), budget, self.options.lookup_max_match, history)
+                try:
+                    source, draft = self._lookup_row(step, row, budget)
+                except Exception as err:
+                    self.fail_safe.record(err)
+                    self.quarantine.blame(row.req_id, step.prompt(row.index))
+                    source, draft, budgets[i] = DraftSource.LOOKUP, NO_DRAFT, 0
                 looked_up += 1
             found.append((source, draft))
         if looked_up:
             self.controller.observe_lookup(looked_up, time.perf_counter() - start)
         return found
+
+    def _lookup_row(self, step: StepView, row: StepRow, budget: int) -> tuple[DraftSource, LookupDraft]:
+        history = self.history.pool(step.tenant(row.index)) if self.history is not None else None
+        context = step.context(row.index)
+        fault_point("lookup", tokens=context)
+        return lookup_draft(context, budget, self.options.lookup_max_match, history)
 
     def _first_tokens(self, step: StepView) -> FirstTokens:
         """Whether a new prompt will wait for the next step, in a server (offline, a first
@@ -319,11 +367,6 @@ class SelfAdmgProposer:
             return DraftPlan.everything(offers, self_budget)
         draining = self.closed_batches and self._steps_since_admission > DRAIN_AFTER_STEPS
         return self.controller.plan(offers, self_budget, draining, first_tokens == FirstTokens.EXPECTED)
-
-    def _shared(self, plan: DraftPlan, rows: int) -> DraftPlan:
-        """Rank 0's plan on every rank: each rank plans from its own step timings (and, should a
-        rank's history ever differ, from its own offers)."""
-        return DraftPlan.from_ints(same_on_all_ranks(torch.tensor(plan.as_ints(), device=self._device)).tolist(), rows)
 
     def _self_draft(
         self,
@@ -367,6 +410,7 @@ class SelfAdmgProposer:
             if self.self_drafter is not None:
                 self.self_drafter.forget(req_id)
             self.controller.forget(req_id)
+            self.quarantine.forget(req_id)
             params = getattr(request, "sampling_params", None)
             if (
                 self.history is not None

@@ -10,10 +10,16 @@ onto the runner's own state of the request when the runner admits it (`remember_
 That happens in every step that admits a request, whether or not the proposer runs in it (vLLM
 skips the proposer in steps where a request is within K tokens of max_model_len), and the
 tenant then lives and dies with vLLM's own state of the request. A request whose tenant was
-never attached reads as UNKNOWN_TENANT, which neither reads nor writes any history.
+never attached reads as UNKNOWN_TENANT, which neither reads nor writes any history: so a fault
+in attaching it (logged once and counted, never raised into vLLM's scheduler) fails closed.
 """
 
+import logging
+
+from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.vllm_compat.patching import original, patch
+
+logger = logging.getLogger("vllm.selfspec")
 
 ATTRIBUTE = "self_admg_tenant"
 
@@ -23,8 +29,12 @@ def apply() -> None:
 
     def from_request(cls, request, *args, **kwargs):
         data = original(NewRequestData, "from_request").__func__(cls, request, *args, **kwargs)
-        if hasattr(request, "cache_salt"):  # else the tenant stays unknown: no history at all
-            setattr(data, ATTRIBUTE, request.cache_salt)
+        try:
+            fault_point("new_request")
+            if hasattr(request, "cache_salt"):  # else the tenant stays unknown: no history at all
+                setattr(data, ATTRIBUTE, request.cache_salt)
+        except Exception:  # the tenant stays unknown: this request gets no history
+            _count_fault()
         return data
 
     patch(
@@ -33,6 +43,16 @@ def apply() -> None:
         classmethod(from_request),
         "carry cache_salt to the worker, so lookup history stays within a tenant",
     )
+
+
+faults = 0  # in this scheduler's process
+
+
+def _count_fault() -> None:
+    global faults
+    faults += 1
+    if faults == 1:
+        logger.exception("self-admg could not attach a request's tenant; it gets no lookup history (logged once)")
 
 
 def remember_tenants(runner, scheduler_output) -> None:

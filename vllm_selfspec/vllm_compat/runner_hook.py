@@ -8,6 +8,7 @@ a `SelfAdmgProposer` pass through unchanged.
 2. `_update_states`: each request's tenant is attached to the runner's state of it in the step
    that admits it, whether or not the proposer runs in that step (`request_tenant`), and the
    proposer counts the step, so that it knows when vLLM ran one without asking it for drafts.
+   A prefix-cache reset the scheduler reports empties the lookup history (`scheduler_queue`).
 3. `_on_request_state_removed`: a request's per-request state (mask, rates) is dropped in the
    same step as vLLM's own (finished, aborted or disconnected).
 4. `_sample`: a step that verifies no draft at all (every row got none: the controller's usual
@@ -18,17 +19,40 @@ a `SelfAdmgProposer` pass through unchanged.
    only samples one token per row from the target's distribution, which is what the plain
    sampler does (same logits, same per-request generators), so outputs are unchanged.
 
+5. The worker's `sleep` empties the lookup history first: earlier outputs do not outlive the
+   KV cache that vLLM discards.
+
+Each hand-off that is ours is guarded: an exception in it is counted as a drafting fault and
+the step goes on as vLLM's own (a request whose tenant was not attached is unknown and gets no
+history; a step whose draft hand-off failed verifies no drafts).
+
 Installed from the proposer's constructor, so only worker processes import the runner.
 """
 
+from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.vllm_compat.patching import original, patch
 from vllm_selfspec.vllm_compat.request_tenant import remember_tenants
+from vllm_selfspec.vllm_compat.scheduler_queue import prefix_cache_resets
 
 
 def _ours(runner) -> bool:
     from vllm_selfspec.proposer import SelfAdmgProposer
 
     return isinstance(getattr(runner, "drafter", None), SelfAdmgProposer)
+
+
+def _guarded(runner, work) -> None:
+    """`work()`; an exception is the proposer's fault to count, never vLLM's."""
+    try:
+        work()
+    except Exception as err:
+        runner.drafter.fail_safe.record(err)
+
+
+def _after_update_states(runner, scheduler_output) -> None:
+    fault_point("update_states")
+    remember_tenants(runner, scheduler_output)
+    runner.drafter.follow_prefix_cache_resets(prefix_cache_resets(scheduler_output))
 
 
 def install() -> None:
@@ -67,18 +91,23 @@ def install() -> None:
     def _update_states(self, scheduler_output, *args, **kwargs):
         result = original(Runner, "_update_states")(self, scheduler_output, *args, **kwargs)
         if _ours(self):
-            remember_tenants(self, scheduler_output)
             self.drafter.note_step()
+            _guarded(self, lambda: _after_update_states(self, scheduler_output))
         return result
 
     def _on_request_state_removed(self, req_id, req_state):
         original(Runner, "_on_request_state_removed")(self, req_id, req_state)
         if _ours(self):
-            self.drafter.forget(req_id, req_state)
+            _guarded(self, lambda: (fault_point("request_removed"), self.drafter.forget(req_id, req_state)))
 
     def _sample(self, logits, spec_decode_metadata):
-        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0 and _ours(self):
-            spec_decode_metadata = None  # nothing to verify: one token per row, as plain decoding
+        if _ours(self) and spec_decode_metadata is not None:
+            try:
+                fault_point("sample")
+                if spec_decode_metadata.max_spec_len == 0:
+                    spec_decode_metadata = None  # nothing to verify: one token per row, as plain decoding
+            except Exception as err:  # vLLM's rejection sampler serves the step, exactly, if dearer
+                self.drafter.fail_safe.record(err)
         return original(Runner, "_sample")(self, logits, spec_decode_metadata)
 
     patch(
@@ -100,3 +129,25 @@ def install() -> None:
         "drop a request's self-admg state with vLLM's own",
     )
     patch(Runner, "_sample", _sample, "sample a step with no draft as plain decoding does")
+    _install_sleep()
+
+
+def _install_sleep() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    workers = [Worker]
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        workers.append(CPUWorker)
+    except ImportError:  # a CUDA build
+        pass
+    for worker in workers:
+
+        def sleep(self, *args, _worker=worker, **kwargs):
+            runner = getattr(self, "model_runner", None)
+            if _ours(runner):
+                _guarded(runner, runner.drafter.forget_history)
+            return original(_worker, "sleep")(self, *args, **kwargs)
+
+        patch(worker, "sleep", sleep, "forget self-admg's lookup history when the worker sleeps")

@@ -134,6 +134,11 @@ class StepView:
     def prompt(self, row: int) -> np.ndarray:
         return self.batch.token_ids_cpu[row, : self.batch.num_prompt_tokens[row]]
 
+    def prompt_of(self, req_id: str) -> np.ndarray | None:
+        """A live request's prompt by id (None if the runner no longer holds it)."""
+        ids = getattr(self.runner.requests.get(req_id), "prompt_token_ids", None)
+        return None if ids is None else np.asarray(ids, dtype=np.int64)
+
     def prompt_lengths(self, rows: list[int]) -> np.ndarray:
         return self.batch.num_prompt_tokens[rows].astype(np.int64)
 

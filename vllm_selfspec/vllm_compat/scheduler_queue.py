@@ -19,8 +19,12 @@ step too (`control.planner`), but vLLM 0.32's `SchedulerOutput` says nothing of 
 `schedule` attaches the number of admissible requests left waiting after this step's
 admissions as one extra attribute, which pickling carries to the workers.
 
+The scheduler also counts its prefix-cache resets (`reset_prefix_cache`, which sleep mode
+calls too) and tells the workers the count each step: a worker that sees it change forgets
+every earlier output it keeps for lookup drafts, as vLLM forgets its cached prefixes.
+
 A fault here must not reach vLLM's scheduler, which would take the engine down: it is logged
-once, and the step is scheduled as vLLM would.
+once, counted, and the step is scheduled as vLLM would.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
 from vllm_selfspec.vllm_compat.patching import original, patch
 from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
@@ -36,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 ATTRIBUTE = "self_admg_waiting"
 IN_VAIN = "_self_admg_withheld_in_vain"  # (running, waiting) when withholding last admitted nobody
+RESETS = "self_admg_prefix_cache_resets"  # on the scheduler and on each step's output
 
 
 def apply() -> None:
@@ -43,15 +49,28 @@ def apply() -> None:
 
     def schedule(self, *args, **kwargs):
         vllm_schedule = functools.partial(original(Scheduler, "schedule"), self)
-        if not is_self_admg_config(self.vllm_config.speculative_config):
+        if not _guarded(lambda: is_self_admg_config(self.vllm_config.speculative_config), False):
             return vllm_schedule(*args, **kwargs)
         return schedule_for_first_tokens(self, vllm_schedule, *args, **kwargs)
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        reset = original(Scheduler, "reset_prefix_cache")(self, *args, **kwargs)
+        # Counted whether or not vLLM could reset (running requests hold blocks): forgetting
+        # lookup history more often than needed is always safe.
+        _guarded(lambda: setattr(self, RESETS, getattr(self, RESETS, 0) + 1), None)
+        return reset
 
     patch(
         Scheduler,
         "schedule",
         schedule,
         "no drafts verified beside a prefill in self-admg servers; tell the workers how many requests wait",
+    )
+    patch(
+        Scheduler,
+        "reset_prefix_cache",
+        reset_prefix_cache,
+        "count prefix-cache resets, so that self-admg's workers forget their lookup history with them",
     )
 
 
@@ -61,12 +80,14 @@ def schedule_for_first_tokens(scheduler, vllm_schedule, *args, **kwargs):
     withheld_for = _guarded(lambda: withhold_drafts_beside_prefill(scheduler), "")
     output = vllm_schedule(*args, **kwargs)
     setattr(output, ATTRIBUTE, _guarded(lambda: _after_schedule(scheduler, output, withheld_for), 0))
+    setattr(output, RESETS, getattr(scheduler, RESETS, 0))
     return output
 
 
 def withhold_drafts_beside_prefill(scheduler) -> str:
     """Clear the running requests' drafts if this step is about to prefill, in a server. Why
     it did: "chunk" (a prompt is being prefilled in chunks) or "admission"; "" if it did not."""
+    fault_point("schedule")
     config = scheduler.vllm_config.additional_config
     if isinstance(config, dict) and config.get(CLOSED_BATCHES_KEY):
         return ""
@@ -111,18 +132,23 @@ def _queue_stuck(scheduler) -> bool:
     return scheduler.get_request_counts() == getattr(scheduler, IN_VAIN, None)
 
 
-_faulted = False
+faults = 0  # in this scheduler's process
 
 
 def _guarded(work, default):
-    global _faulted
+    global faults
     try:
         return work()
     except Exception:  # never into vLLM's scheduler: the step goes on as vLLM schedules it
-        if not _faulted:
-            _faulted = True
-            logger.exception("self-admg's first-token rule failed; scheduling as vLLM does")
+        faults += 1
+        if faults == 1:
+            logger.exception("self-admg's scheduler rules failed; scheduling as vLLM does (logged once)")
         return default
+
+
+def prefix_cache_resets(scheduler_output) -> int:
+    """How many times the scheduler has reset its prefix cache (0 if it did not say)."""
+    return getattr(scheduler_output, RESETS, 0)
 
 
 def waiting_requests(scheduler_output) -> int:

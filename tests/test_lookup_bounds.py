@@ -1,0 +1,60 @@
+"""The lookup's bounds on its own work, whatever the context: pure functions, no engine."""
+
+import numpy as np
+
+from vllm_selfspec.lookup import MAX_OCCURRENCES_FOLLOWED, MAX_OCCURRENCES_SCANNED, _recent_occurrences, suffix_draft
+
+# What benchmarks/NOTES.md (section 27) measured: hostile contexts at 0.12-0.33 ms per lookup,
+# against 11 ms per row at 4k tokens and 108 ms at 32k unbounded. Larger caps make every row of
+# every step pay more; raising them needs a new measurement (benchmarks.diagnostics.lookup_bound).
+MEASURED_SCANNED = 4096
+MEASURED_FOLLOWED = 256
+
+FAR = [1, 2, 3, 4, 5, 6, 7]  # the far occurrence of the context's tail, matched in full
+FAR_NEXT = [50, 51, 52, 53]  # what followed it
+
+
+def far_match_context(recent: int) -> np.ndarray:
+    """The tail FAR once at the start, followed by FAR_NEXT, then `recent` later occurrences of
+    its last token that match it by that token only (each preceded by 0, followed by 0), then
+    the tail again: the far occurrence is the (recent + 1)-th most recent."""
+    return np.array(FAR + FAR_NEXT + [0, FAR[-1]] * recent + FAR, dtype=np.int64)
+
+
+def test_a_match_beyond_the_scanned_occurrences_is_not_followed():
+    """Only the MAX_OCCURRENCES_SCANNED most recent occurrences of the last token are measured:
+    a long match just inside them wins the draft (one earlier occurrence: 1/2 a token over four
+    tokens beats one token at ~1 from the short matches), the same match one occurrence further
+    back is not seen at all, and the draft follows the recent short matches."""
+    within = suffix_draft(far_match_context(MAX_OCCURRENCES_SCANNED - 1), max_tokens=len(FAR_NEXT))
+    assert (within.tokens.tolist(), within.probs, within.match) == (FAR_NEXT, (0.5,) * len(FAR_NEXT), len(FAR))
+    beyond = suffix_draft(far_match_context(MAX_OCCURRENCES_SCANNED), max_tokens=len(FAR_NEXT))
+    assert (beyond.tokens.tolist(), beyond.match) == ([0], 1)
+    # What the short matches give: the most recent MAX_OCCURRENCES_FOLLOWED of them, all but the
+    # last (followed by the tail) continuing with 0.
+    assert beyond.probs == ((MAX_OCCURRENCES_FOLLOWED - 1) / (MAX_OCCURRENCES_FOLLOWED + 1),)
+
+
+def test_the_followed_occurrences_are_the_longest_matches_not_the_most_recent():
+    """Past MAX_OCCURRENCES_FOLLOWED occurrences, the ones followed are those with the longest
+    matches: the far match, older than every short one, is still followed."""
+    draft = suffix_draft(far_match_context(MAX_OCCURRENCES_FOLLOWED), max_tokens=len(FAR_NEXT))
+    assert (draft.tokens.tolist(), draft.match) == (FAR_NEXT, len(FAR))
+
+
+def test_recent_occurrences_scans_back_only_as_far_as_the_cap():
+    """A context of one repeated token holds an occurrence at every position: the scan returns
+    the cap's most recent ones, in corpus order, and no more however long the context."""
+    corpus = np.full(200_000, 7, dtype=np.int64)
+    limit = len(corpus) - 1
+    found = _recent_occurrences(corpus, limit, 7, MAX_OCCURRENCES_SCANNED)
+    assert found.tolist() == list(range(limit - MAX_OCCURRENCES_SCANNED, limit))
+    assert _recent_occurrences(corpus, 10, 7, MAX_OCCURRENCES_SCANNED).tolist() == list(range(10))
+
+
+def test_the_lookup_caps_stay_within_what_was_measured():
+    """The caps are what keeps a hostile context's lookup a fraction of a millisecond per row;
+    the draft tests above hold for any caps, so this is what fails if they are raised."""
+    assert MAX_OCCURRENCES_SCANNED <= MEASURED_SCANNED
+    assert MAX_OCCURRENCES_FOLLOWED <= MEASURED_FOLLOWED
+    assert MAX_OCCURRENCES_FOLLOWED <= MAX_OCCURRENCES_SCANNED
