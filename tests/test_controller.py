@@ -389,6 +389,17 @@ def test_a_self_draft_a_new_prompt_waits_for_is_cut_to_the_slack_or_refused_when
         assert controller.plan(rows, self_budget=4, prompts_waiting=True).self_length == fit
 
 
+def test_a_row_that_needs_a_probe_does_not_self_draft_while_a_prompt_waits():
+    """A probe reads the prompt: a few target steps, past any slack a waiting prompt allows, so
+    only rows with a mask self-draft then. Control: with a mask, or with none waiting, it does."""
+    controller = trained(t0=0.25, t1=0.001, self_step=0.004, lookup_rate=0.9, self_rate=0.9)
+    controller.observe_probe(rows=1, seconds=3.0)
+    new, measured = self_rows(1)[0], dataclasses.replace(self_rows(1)[0], has_mask=True)
+    assert controller.plan([new], 4, prompts_waiting=True).self_length == 0
+    assert controller.plan([measured], 4, prompts_waiting=True).self_length > 0
+    assert controller.plan([new], 4).self_length > 0
+
+
 def test_a_retry_is_refused_while_a_prompt_waits_for_its_step():
     """A retry costs a draft step, and a probe when no row has a mask yet (a few target steps),
     for a source that did not pay when last used: a prompt waiting for the step would wait for

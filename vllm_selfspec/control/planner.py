@@ -162,6 +162,8 @@ class DraftPlanner:
             for i, o in enumerate(offers)
             if o.can_self_draft and (not o.lookup_tokens or (self.costs.self_step_measured and gains[i][0] < a_self))
         ]
+        if prompts_waiting:  # a probe costs a few target steps, past any slack: measured rows only
+            self_rows = [i for i in self_rows if offers[i].has_mask]
         if draining and len(offers) > 1:  # (one row's end is the batch's: the steady plan is that)
             choice = self._drain(offers, gains, cost, step.t0, step.t_verify, self_budget)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
