@@ -6,7 +6,14 @@ import logging
 import pytest
 
 from vllm_selfspec import fail_safe
-from vllm_selfspec.fail_safe import INJECT_ENV, MAX_CONSECUTIVE_FAULTS, FailSafe
+from vllm_selfspec.fail_safe import (
+    COOL_DOWN_STEPS,
+    INJECT_ENV,
+    MAX_CONSECUTIVE_FAULTS,
+    MAX_FAULTS_IN_WINDOW,
+    WINDOW_STEPS,
+    FailSafe,
+)
 
 from conftest import close_llm, make_llm, proposer_report, token_ids
 
@@ -81,6 +88,81 @@ def test_the_ranks_share_their_other_decisions_by_their_maximum():
     for rank, vote in zip(ranks, (0, 1)):
         rank.max_over_ranks = lambda own: [0, 0, 1]
         assert rank.agree(True, (vote,)) == (True, [1])
+
+
+def test_faults_spread_over_more_than_the_window_never_switch_drafting_off():
+    """Rare transient faults over a long-running server: the budget counts the last
+    WINDOW_STEPS steps, not the engine's lifetime."""
+    safe = FailSafe()
+    for _ in range(5 * MAX_FAULTS_IN_WINDOW):
+        for _ in range(WINDOW_STEPS // (MAX_FAULTS_IN_WINDOW - 1) + 1):  # the closest spacing that never fits them all
+            safe.tick()
+            assert safe.agree(True)[0]
+            assert safe.call(lambda: "drafts", lambda: "none") == "drafts"
+        safe.record(ValueError("transient"))
+    assert safe.faults == 5 * MAX_FAULTS_IN_WINDOW and not safe.switch_off_wanted and not safe.disabled
+    for _ in range(MAX_FAULTS_IN_WINDOW):  # the same faults within one window: off
+        safe.tick()
+        safe.record(ValueError("burst"))
+        safe.call(lambda: "drafts", lambda: "none")  # (not in a row: each step after a fault succeeds)
+    assert safe.switch_off_wanted
+
+
+def switch_off(ranks: list[FailSafe]) -> None:
+    """Faults in a row on rank 0, then the step where every rank agrees to switch off."""
+    for _ in range(MAX_CONSECUTIVE_FAULTS):
+        ranks[0].record(ValueError("boom"))
+    for rank in ranks:
+        rank.tick()
+    assert agree_on_all(ranks, [True] * len(ranks)) == [False] * len(ranks)
+    assert all(rank.disabled for rank in ranks)
+
+
+def test_drafting_comes_back_after_a_cool_down_on_every_rank_and_backs_off_if_faults_return(caplog):
+    ranks = [FailSafe(), FailSafe()]
+    switch_off(ranks)
+    for _ in range(COOL_DOWN_STEPS - 1):
+        for rank in ranks:
+            rank.tick()
+    assert all(rank.disabled for rank in ranks)
+    with caplog.at_level(logging.WARNING, logger="vllm.selfspec"):
+        for rank in ranks:
+            rank.tick()
+    assert not any(rank.disabled for rank in ranks)  # the same step on every rank
+    assert sum("drafts again" in r.message for r in caplog.records) == 2
+    assert agree_on_all(ranks, [True, True]) == [True, True]
+    # Faults again within the probation window: off again, for twice as long.
+    switch_off(ranks)
+    assert [rank.resume_at - rank.step for rank in ranks] == [2 * COOL_DOWN_STEPS] * 2
+    for _ in range(2 * COOL_DOWN_STEPS):
+        for rank in ranks:
+            rank.tick()
+    assert not any(rank.disabled for rank in ranks)
+    # A clean window after that: the next switch-off starts from the first cool-down again.
+    for _ in range(WINDOW_STEPS):
+        for rank in ranks:
+            rank.tick()
+    switch_off(ranks)
+    assert [rank.resume_at - rank.step for rank in ranks] == [COOL_DOWN_STEPS] * 2
+
+
+def test_a_quarantined_request_and_its_prompt_draft_no_more_and_the_rest_still_do():
+    import numpy as np
+
+    from vllm_selfspec.fail_safe import RequestQuarantine
+
+    quarantine = RequestQuarantine(max_prompts=2)
+    poison, other = np.array([1, 2, 3]), np.array([4, 5, 6])
+    assert quarantine.allows("a", lambda: poison) and quarantine.allows("b", lambda: other)
+    quarantine.blame("a", poison)
+    assert not quarantine.allows("a", lambda: poison) and quarantine.allows("b", lambda: other)
+    assert not quarantine.allows("a-again", lambda: poison)  # the same prompt resent
+    for req_id in ("a", "a-again", "b"):
+        quarantine.forget(req_id)
+    assert quarantine.requests == set() and quarantine._digests == {}  # nothing kept of ended requests
+    for i in range(5):  # bounded: the oldest prompts are let go
+        quarantine.blame(f"x{i}", np.array([100 + i]))
+    assert len(quarantine.prompts) == 2 and quarantine.allows("a-third-time", lambda: poison)
 
 
 def test_fault_points_raise_only_where_and_when_asked(monkeypatch):

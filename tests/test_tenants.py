@@ -1,6 +1,7 @@
 """Lookup history stays within a tenant: a request drafts only from earlier outputs of
-requests with its own `cache_salt` (requests without one share one pool, as they share vLLM's
-prefix cache), and an output a stop string ended is never kept."""
+requests with its own `cache_salt`; requests without one draft from their own context only,
+unless the operator opts in to one shared pool; an output a stop string ended is never kept;
+and the history is forgotten whenever vLLM resets its prefix cache or sleeps."""
 
 import pytest
 
@@ -45,10 +46,30 @@ def test_history_drafts_come_only_from_the_same_tenant(llm, tiny_prompt_ids):
     assert history_tokens_for(llm, continuation, salt="mallory") == 0
     assert history_tokens_for(llm, continuation, salt=None) == 0
     assert history_tokens_for(llm, continuation, salt="alice") > 0
-    # Requests without a salt share one pool with each other.
-    other = tiny_prompt_ids[1]
-    shared = generate(llm, other)
-    assert history_tokens_for(llm, other + shared[:8], salt=None) > 0
+
+
+def test_an_unsalted_request_drafts_from_no_other_requests_answer_by_default(llm, tiny_prompt_ids):
+    """Closed by default: without a tenant, a request neither reads nor writes history another
+    request can reach. Control: the same two requests under one salt do draft from history."""
+    prompt = tiny_prompt_ids[1]
+    pool_lengths(llm, [])  # (its own request's tenant is counted from here on)
+    tenants_before = proposer_report(llm)["history_tenants"]
+    answer = generate(llm, prompt)
+    assert history_tokens_for(llm, prompt + answer[:8], salt=None) == 0
+    pool_lengths(llm, [])  # (hands the finished requests back)
+    assert proposer_report(llm)["history_tenants"] == tenants_before  # no pool for the unsalted
+    generate(llm, prompt, salt="erin")
+    assert history_tokens_for(llm, prompt + answer[:8], salt="erin") > 0
+
+
+def test_unsalted_requests_share_one_pool_when_the_operator_opts_in(tiny_model_path, tiny_prompt_ids):
+    engine = make_llm(tiny_model_path, speculative_config={**SPEC, "lookup_history_unsalted": True})
+    try:
+        prompt = tiny_prompt_ids[1]
+        answer = generate(engine, prompt)
+        assert history_tokens_for(engine, prompt + answer[:8], salt=None) > 0
+    finally:
+        close_llm(engine)
 
 
 def test_an_output_a_stop_string_ended_is_not_kept(llm, tiny_model_path, tiny_prompt_ids):
@@ -57,21 +78,39 @@ def test_an_output_a_stop_string_ended_is_not_kept(llm, tiny_model_path, tiny_pr
     prompt = tiny_prompt_ids[0]
     answer = generate(llm, prompt, salt="stop-check")
     stop = AutoTokenizer.from_pretrained(tiny_model_path).decode(answer[20:22])
-    generate(llm, prompt, salt="bob", stop=[stop]) if stop.strip() else pytest.skip("no stop text")
+    assert stop.strip(), "the tiny model's answer has no text to stop at"
+    generate(llm, prompt, salt="bob", stop=[stop])
     assert history_tokens_for(llm, prompt + answer[:8], salt="bob") == 0
+    # Control: the same request without the stop string is kept, and drafted from.
+    generate(llm, prompt, salt="bob-control")
+    assert history_tokens_for(llm, prompt + answer[:8], salt="bob-control") > 0
 
 
-def pool_lengths(llm) -> dict:
-    """Tokens held per tenant's pool of earlier outputs (None: the shared pool), once the
+def pool_lengths(llm, tenants) -> dict:
+    """Tokens held in each of these tenants' pools of earlier outputs (0: none), once the
     requests that finished have been handed back (the runner drops a finished request's state in
     the next step, so one more request runs first)."""
     generate(llm, [1, 2, 3], salt="flush", max_tokens=1)
 
-    def lengths(worker):  # nested, so pickled by value into the worker
+    def lengths(worker, tenants=tuple(tenants)):  # nested, so pickled by value into the worker
         history = worker.model_runner.drafter.history
-        return {tenant: len(pool) for tenant, pool in history.pools.items()}
+        return {tenant: len(history.pool(tenant) or ()) for tenant in tenants}
 
     return llm.collective_rpc(lengths)[0]
+
+
+@pytest.mark.parametrize("purge", ["reset_prefix_cache", "sleep"])
+def test_history_is_forgotten_when_vllm_resets_its_prefix_cache_or_sleeps(llm, tiny_prompt_ids, purge):
+    prompt = tiny_prompt_ids[4]
+    answer = generate(llm, prompt, salt="frank")
+    assert pool_lengths(llm, ["frank"])["frank"] > 0  # control: kept until vLLM forgets
+    if purge == "sleep":
+        llm.sleep(level=1)
+        llm.wake_up()
+    else:
+        assert llm.reset_prefix_cache()
+    assert pool_lengths(llm, ["frank"])["frank"] == 0
+    assert history_tokens_for(llm, prompt + answer[:8], salt="frank") == 0
 
 
 def test_a_tenant_admitted_beside_a_request_at_max_model_len_stays_closed(llm, tiny_prompt_ids):
@@ -82,12 +121,12 @@ def test_a_tenant_admitted_beside_a_request_at_max_model_len_stays_closed(llm, t
     from vllm import SamplingParams
 
     prompt = tiny_prompt_ids[2]
-    shared = generate(llm, prompt)  # the shared pool now continues this prompt
+    shared = generate(llm, prompt, salt="dave")  # dave's pool now continues this prompt
     k = SPEC["num_speculative_tokens"]
     at_edge_len = ENGINE_DEFAULTS["max_model_len"] - k + 1  # the proposer is skipped while it runs
     at_edge = {"prompt_token_ids": (prompt * at_edge_len)[:at_edge_len], "cache_salt": "edge"}
     salted = {"prompt_token_ids": prompt + shared[:8], "cache_salt": "carol"}
-    shared_before = pool_lengths(llm).get(None, 0)
+    shared_before = pool_lengths(llm, ["dave"])["dave"]
     assert shared_before > 0
     before = proposer_report(llm)["history_tokens"]
     params = [
@@ -96,8 +135,8 @@ def test_a_tenant_admitted_beside_a_request_at_max_model_len_stays_closed(llm, t
     ]
     outputs = llm.generate([at_edge, salted], params, use_tqdm=False)
     assert len(outputs[1].outputs[0].token_ids) == 48
-    # carol has no earlier outputs: any history draft would have come from the shared pool.
+    # carol has no earlier outputs: any history draft would have come from another's pool.
     assert proposer_report(llm)["history_tokens"] - before == 0
-    pools = pool_lengths(llm)
-    assert pools.get(None, 0) == shared_before  # neither request's output joined the shared pool
-    assert pools.get("carol", 0) > 0  # carol's own output is kept for carol
+    pools = pool_lengths(llm, ["dave", "carol"])
+    assert pools["dave"] == shared_before  # neither request's output joined another's pool
+    assert pools["carol"] > 0  # carol's own output is kept for carol

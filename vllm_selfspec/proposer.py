@@ -354,6 +354,7 @@ class SelfAdmgProposer:
             engine_was_busy=step.engine_was_busy,
         )
         if step.waiting_requests:
+            self.counters.steps_prompts_waiting += 1
             return FirstTokens.QUEUED
         recent_end = ended or self._requests_ended
         return FirstTokens.EXPECTED if recent_end and self.refills.expected else FirstTokens.NONE_WAIT

@@ -35,6 +35,7 @@ class ProposerCounters:
     # Drafts made but not verified: the scheduler withheld them beside a prefill, or cut them
     # at max_model_len.
     draft_tokens_withheld: int = 0
+    steps_prompts_waiting: int = 0  # steps the scheduler said requests wait that it could admit
     # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
     # MLP similarity, mask). Bounded, so a long-running server does not grow it.
     measurements: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -69,6 +70,15 @@ def proposer_report(worker, measurements: bool = True) -> dict:
     report["drafting_disabled"] = drafter.fail_safe.disabled
     report["steps_skipped_for_faults"] = drafter.fail_safe.steps_skipped
     report["fault_kinds"] = sorted(drafter.fail_safe.kinds_seen)
+    report["requests_quarantined"] = len(drafter.quarantine.requests)
+    report["prompts_quarantined"] = len(drafter.quarantine.prompts)
+    report["history_tenants"] = drafter.history.tenants if drafter.history is not None else 0
+    report["history_tokens_held"] = len(drafter.history) if drafter.history is not None else 0
+    # The scheduler's hooks fault in the engine process (the worker's too without a
+    # multiprocessing executor: then they are counted here).
+    from vllm_selfspec.vllm_compat import request_tenant, scheduler_queue
+
+    report["scheduler_faults"] = request_tenant.faults + scheduler_queue.faults
     if measurements:
         report["steps"] = [list(step) for step in counters.steps]
         report["measurements"] = [
