@@ -204,6 +204,7 @@ def plain_ids(plain_tiny, tiny_prompts):
     return token_ids(plain_tiny.generate(tiny_prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)))
 
 
+@pytest.mark.engine
 def test_injected_fault_at_each_stage_costs_only_that_steps_drafts(
     tiny_model_path, tiny_prompts, plain_ids, monkeypatch
 ):
@@ -215,9 +216,63 @@ def test_injected_fault_at_each_stage_costs_only_that_steps_drafts(
     assert report["draft_tokens"] > 0 and report["lookup_tokens"] > 0  # drafting went on
 
 
+@pytest.mark.engine
 def test_injected_fault_every_step_switches_drafting_off_and_serves_on(
     tiny_model_path, tiny_prompts, plain_ids, monkeypatch
 ):
     ids, report = run_with_faults(tiny_model_path, tiny_prompts, "draft@every", monkeypatch)
     assert ids == plain_ids
     assert report["drafting_disabled"] and report["faults"] == MAX_CONSECUTIVE_FAULTS
+
+
+# The hooks the plugin adds to vLLM's loop, on the runner's side and on the scheduler's.
+HOOKS = ("update_states", "request_removed", "sample", "new_request", "schedule")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_fault_in_any_hook_keeps_the_engine_up_and_its_output_plain(
+    tiny_model_path, tiny_prompts, plain_ids, monkeypatch, hook
+):
+    """Every call of the hook raises: the engine serves every request, exactly, and counts the
+    faults (the scheduler's in the engine process, where its worker also runs)."""
+    ids, report = run_with_faults(tiny_model_path, tiny_prompts, f"{hook}@every", monkeypatch)
+    assert ids == plain_ids
+    if hook in ("new_request", "schedule"):
+        assert report["scheduler_faults"] > 0
+    else:
+        assert any(f"injected fault at {hook}" in kind for kind in report["fault_kinds"]), report["fault_kinds"]
+
+
+def unused_token(*token_lists) -> int:
+    used = {t for tokens in token_lists for t in tokens}
+    return next(t for t in range(3, 512) if t not in used)  # the tiny model's vocabulary
+
+
+@pytest.mark.engine
+def test_one_request_that_makes_drafting_fault_resent_costs_only_its_own_drafts(
+    tiny_model_path, tiny_prompt_ids, plain_tiny, monkeypatch
+):
+    """A request whose lookup always raises, sent more times than the fault budget allows in a
+    window: it is quarantined with its prompt after its first fault, so drafting stays on for
+    everyone else, and every output is plain decoding's."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    others = [{"prompt_token_ids": ids} for ids in tiny_prompt_ids]
+    plain_others = token_ids(plain_tiny.generate(others, params, use_tqdm=False))
+    poison_token = unused_token(*tiny_prompt_ids, *plain_others)
+    poison = {"prompt_token_ids": tiny_prompt_ids[0] + [poison_token]}
+    plain_poison = token_ids(plain_tiny.generate([poison], params, use_tqdm=False))
+    monkeypatch.setenv(INJECT_ENV, f"lookup@token{poison_token}")
+    llm = make_llm(tiny_model_path, speculative_config=EVERY_STAGE)
+    try:
+        for _ in range(MAX_FAULTS_IN_WINDOW + 5):
+            assert token_ids(llm.generate([poison], params, use_tqdm=False)) == plain_poison
+        before = proposer_report(llm)
+        assert token_ids(llm.generate(others, params, use_tqdm=False)) == plain_others
+        after = proposer_report(llm)
+    finally:
+        close_llm(llm)
+    assert after["faults"] == 1 and not after["drafting_disabled"]
+    assert after["lookup_tokens"] > before["lookup_tokens"] and after["draft_tokens"] > before["draft_tokens"]

@@ -48,7 +48,13 @@ def fake_proposer(seed: int) -> SimpleNamespace:
     )
     fail_safe = SimpleNamespace(faults=seed + 1, disabled=bool(seed % 2), steps_skipped=seed + 2)
     masks = {f"request-{i}": None for i in range(seed + 3)}
-    return SimpleNamespace(counters=counters, fail_safe=fail_safe, self_drafter=SimpleNamespace(masks=masks))
+    return SimpleNamespace(
+        counters=counters,
+        fail_safe=fail_safe,
+        self_drafter=SimpleNamespace(masks=masks),
+        scheduler_faults=seed + 4,
+        quarantine=SimpleNamespace(requests={f"request-{i}" for i in range(seed + 5)}),
+    )
 
 
 def publish(directory, engine: int, rank: int, seed: int) -> MetricsPublisher:

@@ -69,6 +69,12 @@ METRICS = {
     "proposer_steps": ("counter", "Steps the proposer was asked for drafts"),
     "proposer_seconds": ("counter", "Seconds the proposer spent in those steps, on the step's critical path"),
     "requests_holding_state": ("gauge", "Requests the proposer keeps a skip mask for (0 when idle)"),
+    "scheduler_faults": (
+        "counter",
+        "Faults in self-admg's scheduler hooks, as the scheduler last told this rank (each costs a "
+        "step its first-token rule, or a request its tenant's history)",
+    ),
+    "requests_quarantined": ("gauge", "Live requests that draft no more because their own lookup faulted"),
 }
 BY_SOURCE = "draft_tokens"  # the one metric whose value is {source: count}
 UNREADABLE = "snapshots_unreadable"

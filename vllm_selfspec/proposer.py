@@ -106,6 +106,7 @@ class SelfAdmgProposer:
         )
         self.quarantine = RequestQuarantine()
         self._prefix_cache_resets = 0
+        self.scheduler_faults = 0
         self._drafted: dict[str, DraftMade] = {}
         self._step_end: float | None = None
         self._look_up = True  # the ranks' agreed decision, for the next step
@@ -167,10 +168,12 @@ class SelfAdmgProposer:
         """The runner began a step (whether or not vLLM asks this proposer for drafts in it)."""
         self._steps_run += 1
 
-    def follow_prefix_cache_resets(self, resets: int) -> None:
-        """The scheduler's count of prefix-cache resets: a new one empties the history."""
-        if resets != self._prefix_cache_resets:
-            self._prefix_cache_resets = resets
+    def follow_scheduler(self, prefix_cache_resets: int, scheduler_faults: int) -> None:
+        """What the scheduler counts: its prefix-cache resets (a new one empties the history)
+        and its hooks' faults (published with this rank's)."""
+        self.scheduler_faults = max(self.scheduler_faults, scheduler_faults)
+        if prefix_cache_resets != self._prefix_cache_resets:
+            self._prefix_cache_resets = prefix_cache_resets
             self.forget_history()
 
     def forget_history(self) -> None:

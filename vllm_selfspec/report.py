@@ -74,11 +74,7 @@ def proposer_report(worker, measurements: bool = True) -> dict:
     report["prompts_quarantined"] = len(drafter.quarantine.prompts)
     report["history_tenants"] = drafter.history.tenants if drafter.history is not None else 0
     report["history_tokens_held"] = len(drafter.history) if drafter.history is not None else 0
-    # The scheduler's hooks fault in the engine process (the worker's too without a
-    # multiprocessing executor: then they are counted here).
-    from vllm_selfspec.vllm_compat import request_tenant, scheduler_queue
-
-    report["scheduler_faults"] = request_tenant.faults + scheduler_queue.faults
+    report["scheduler_faults"] = drafter.scheduler_faults
     if measurements:
         report["steps"] = [list(step) for step in counters.steps]
         report["measurements"] = [
@@ -114,6 +110,8 @@ def metrics_snapshot(drafter) -> dict:
         "proposer_steps": counters.propose_calls,
         "proposer_seconds": counters.propose_seconds,
         "requests_holding_state": len(drafter.self_drafter.masks) if drafter.self_drafter is not None else 0,
+        "scheduler_faults": drafter.scheduler_faults,
+        "requests_quarantined": len(drafter.quarantine.requests),
     }
 
 

@@ -32,7 +32,7 @@ Installed from the proposer's constructor, so only worker processes import the r
 from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.vllm_compat.patching import original, patch
 from vllm_selfspec.vllm_compat.request_tenant import remember_tenants
-from vllm_selfspec.vllm_compat.scheduler_queue import prefix_cache_resets
+from vllm_selfspec.vllm_compat.scheduler_queue import prefix_cache_resets, scheduler_faults
 
 
 def _ours(runner) -> bool:
@@ -52,7 +52,9 @@ def _guarded(runner, work) -> None:
 def _after_update_states(runner, scheduler_output) -> None:
     fault_point("update_states")
     remember_tenants(runner, scheduler_output)
-    runner.drafter.follow_prefix_cache_resets(prefix_cache_resets(scheduler_output))
+    runner.drafter.follow_scheduler(
+        prefix_cache_resets=prefix_cache_resets(scheduler_output), scheduler_faults=scheduler_faults(scheduler_output)
+    )
 
 
 def install() -> None:

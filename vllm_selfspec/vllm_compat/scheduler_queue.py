@@ -34,6 +34,7 @@ import logging
 
 from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
+from vllm_selfspec.vllm_compat import request_tenant
 from vllm_selfspec.vllm_compat.patching import original, patch
 from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
 
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 ATTRIBUTE = "self_admg_waiting"
 IN_VAIN = "_self_admg_withheld_in_vain"  # (running, waiting) when withholding last admitted nobody
 RESETS = "self_admg_prefix_cache_resets"  # on the scheduler and on each step's output
+FAULTS = "self_admg_scheduler_faults"  # on each step's output: the scheduler's hooks' faults so far
 
 
 def apply() -> None:
@@ -81,6 +83,7 @@ def schedule_for_first_tokens(scheduler, vllm_schedule, *args, **kwargs):
     output = vllm_schedule(*args, **kwargs)
     setattr(output, ATTRIBUTE, _guarded(lambda: _after_schedule(scheduler, output, withheld_for), 0))
     setattr(output, RESETS, getattr(scheduler, RESETS, 0))
+    setattr(output, FAULTS, faults + request_tenant.faults)  # the workers publish them on /metrics
     return output
 
 
@@ -144,6 +147,11 @@ def _guarded(work, default):
         if faults == 1:
             logger.exception("self-admg's scheduler rules failed; scheduling as vLLM does (logged once)")
         return default
+
+
+def scheduler_faults(scheduler_output) -> int:
+    """The scheduler's hooks' faults so far (0 if it did not say)."""
+    return getattr(scheduler_output, FAULTS, 0)
 
 
 def prefix_cache_resets(scheduler_output) -> int:
