@@ -104,6 +104,20 @@ def test_tensor_parallel_ranks_take_identical_decisions(
         assert reports[0]["draft_tokens"] + reports[0]["lookup_tokens"] > 0
         assert [r["faults"] for r in reports] == [0, 1] and reports[0]["steps_skipped_for_faults"] == 1
         assert not any(r["drafting_disabled"] for r in reports)
+
+        # Rank 1 alone reaches its fault limit: both ranks switch off in the same step, without
+        # hanging, and serve on as plain decoding.
+        def limit_reached_on_rank_1(worker):  # nested, so pickled by value into the workers
+            from vllm_selfspec.vllm_compat.draft_forward import tensor_parallel_rank
+
+            if tensor_parallel_rank() == 1:
+                worker.model_runner.drafter.fail_safe.switch_off_wanted = True
+
+        llm.collective_rpc(limit_reached_on_rank_1)
+        outputs = within(120, lambda: llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False))
+        assert token_ids(outputs) == plain_greedy
+        reports = llm.collective_rpc(proposer_report)
+        assert [r["drafting_disabled"] for r in reports] == [True, True]
     finally:
         close_llm(llm)
 

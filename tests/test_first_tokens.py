@@ -222,3 +222,66 @@ def test_ends_waiting_for_a_refill_are_bounded_by_the_window():
         refills.observe(step=step, ended=16, admitted=0, engine_was_busy=True)
         assert len(refills._pending) <= 16 * (REFILL_WINDOW_STEPS + 1)
     assert refills.share < 1e-6
+
+
+@pytest.mark.engine
+def test_a_server_engine_withholds_drafts_while_it_admits_a_prompt_and_tells_the_workers_who_waits(
+    tiny_model_path, tiny_prompt_ids, plain_tiny
+):
+    """End to end, in an engine built as a server builds it (not offline, where batches are
+    closed): two requests decode with drafts, then two long prompts arrive at once while the
+    step's token budget admits one chunk. The drafts made before the admission are withheld, the
+    workers are told a prompt waits, and every output is plain decoding's."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from benchmarks.engine import engine_args
+
+    from conftest import ENGINE_DEFAULTS, proposer_report, token_ids
+
+    # Drafts in every step: self-drafts of K tokens where lookup has none (the random tiny model
+    # is unsure of every token, so no draft exit).
+    spec = {"method": "self-admg", "num_speculative_tokens": 4, "adaptive": False, "draft_exit_threshold": 0.0}
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            **engine_args(tiny_model_path, **ENGINE_DEFAULTS, max_num_batched_tokens=64), speculative_config=spec
+        )
+    )
+    # The engine core steps on its own: the decoding requests run long enough to be decoding
+    # still when the prompts arrive.
+    long, params = (
+        SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+    )
+    decoding, arriving = tiny_prompt_ids[:2], [tiny_prompt_ids[3], tiny_prompt_ids[3][1:]]
+    assert min(len(ids) for ids in arriving) > 64  # more than a step's token budget each
+    outputs = {}
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+
+    try:
+        for i, ids in enumerate(decoding):
+            engine.add_request(f"decoding-{i}", {"prompt_token_ids": ids}, long)
+        for _ in range(20):  # until both decode with drafts
+            step()
+            before = proposer_report(engine)
+            if before["draft_tokens"] + before["lookup_tokens"] > 0:
+                break
+        assert before["draft_tokens"] + before["lookup_tokens"] > 0 and not outputs
+        for i, ids in enumerate(arriving):
+            engine.add_request(f"arriving-{i}", {"prompt_token_ids": ids}, params)
+        while engine.has_unfinished_requests():
+            step()
+        after = proposer_report(engine)
+    finally:
+        engine.engine_core.shutdown()
+    assert after["draft_tokens_withheld"] > before["draft_tokens_withheld"]
+    assert after["steps_prompts_waiting"] > before["steps_prompts_waiting"]
+    prompts = [{"prompt_token_ids": ids} for ids in decoding + arriving]
+    plain = token_ids(plain_tiny.generate(prompts, [long, long, params, params], use_tqdm=False))
+    names = [f"decoding-{i}" for i in range(2)] + [f"arriving-{i}" for i in range(2)]
+    assert [outputs[name] for name in names] == plain
