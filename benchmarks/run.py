@@ -103,17 +103,28 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
         # exit; no prompt lookup, no cost control, the full LM head.
         "self-admg-paper": {"method": "self-admg", "num_speculative_tokens": K, "skip": "attention", **PAPER},
         "self-admg": {"method": "self-admg", "num_speculative_tokens": K},
+        # The operator's opt-in: requests without a cache_salt share one history pool (as the
+        # serving benchmark's requests, which carry no salt).
+        "self-admg-shared-history": {
+            "method": "self-admg",
+            "num_speculative_tokens": K,
+            "lookup_history_unsalted": True,
+        },
     }
     if draft_path is None:
         del methods["draft_model"]
     return methods
 
 
+# Run when named, not by default: the opt-in, measured against the default in its own runs.
+BY_NAME_ONLY = ("self-admg-shared-history",)
+
+
 def choose_methods(known: dict[str, dict | None], baseline: str, names: list[str] | None) -> dict[str, dict | None]:
-    """The baseline and the named methods (all by default). `NAME@K` is a method with draft
+    """The baseline and the named methods (by default all but BY_NAME_ONLY). `NAME@K` is a method with draft
     length K instead of the common K, to compare each method at its best length."""
     chosen = {}
-    for name in [baseline, *(names or [n for n in known if n != baseline])]:
+    for name in [baseline, *(names or [n for n in known if n not in (baseline, *BY_NAME_ONLY)])]:
         base, at, k = name.partition("@")
         if base not in known or (at and not (k.isdigit() and int(k) > 0 and known[base])):
             raise SystemExit(
