@@ -155,8 +155,24 @@ def test_returning_tenants_leave_room_for_newcomers_to_return():
     assert len(histories.returning) == 6 and histories.tenants == 8
     histories.add("new", np.array([1]))
     histories.add("new", np.array([2]))
-    assert histories.pool("new") is not None and "new" not in {None}
-    assert histories.key("new") in histories.returning
+    assert histories.key("new") in histories.returning and histories.tenants == 8
+
+
+def test_one_newcomers_long_output_does_not_push_out_the_returning_tenants():
+    """Room for a newcomer's output is taken from other newcomers, then from the newcomer
+    itself, before any returning tenant loses an output."""
+    from vllm_selfspec.lookup import TenantHistories
+
+    histories = TenantHistories(1_000, max_tenants=8)
+    for tenant in ("alice", "bob"):
+        for _ in range(2):
+            histories.add(tenant, np.arange(200))
+    held = {t: len(histories.pool(t)) for t in ("alice", "bob")}
+    histories.add("stranger", np.arange(990))  # alone nearly the whole budget
+    assert {t: len(histories.pool(t)) for t in ("alice", "bob")} == held
+    assert histories.pool("stranger") is None and len(histories) <= 1_000
+    histories.add("stranger", np.arange(150))  # a newcomer that fits stays
+    assert len(histories.pool("stranger")) == 152
 
 
 def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():
@@ -734,10 +750,10 @@ def test_lookup_stops_when_it_costs_more_than_its_accepted_tokens_save_and_is_re
 def naive_histories(max_tokens: int, max_tenants: int, adds) -> dict:
     """The pools TenantHistories should hold, by the rule itself: every output kept per tenant
     with its separator; tenants with one output are newcomers, the rest returning (at most 3/4
-    of the pools, the least recently used demoted); room is taken from the least recently used
-    newcomer first, then the least recently used returning tenant, never from the tenant just
-    added to while another exists; the tenant bound drops whole pools, the token bound the
-    oldest outputs."""
+    of the pools, the least recently used demoted to the newest newcomer); room is taken from
+    the least recently used other newcomer, then from the tenant just added to if it is a
+    newcomer, then from the least recently used other returning tenant; the tenant bound drops
+    whole pools, the token bound the oldest outputs."""
     from collections import OrderedDict
 
     newcomers: OrderedDict = OrderedDict()
@@ -756,20 +772,21 @@ def naive_histories(max_tokens: int, max_tenants: int, adds) -> dict:
         segment[tenant] = outputs
         while len(returning) > max(1, int(0.75 * max_tenants)):
             demoted, outs = returning.popitem(last=False)
-            newcomers[demoted] = outs
-            newcomers.move_to_end(demoted, last=False)
+            newcomers[demoted] = outs  # as the newest newcomer
 
         def victim(spared=tenant):
-            for seg in (newcomers, returning):
-                for t in list(seg)[:2]:
-                    if t != spared:
-                        return seg, t
-            return (returning if spared in returning else newcomers), spared
+            others = [t for t in newcomers if t != spared]
+            if others:
+                return newcomers, others[0]
+            if spared in newcomers:
+                return newcomers, spared
+            others = [t for t in returning if t != spared]
+            return (returning, others[0]) if others else (returning, spared)
 
         while len(newcomers) + len(returning) > max_tenants:
             seg, t = victim()
             del seg[t]
-        while total() > max_tokens:
+        while total() > max_tokens and (newcomers or returning):
             seg, t = victim()
             excess = total() - max_tokens
             while excess > 0 and seg[t]:

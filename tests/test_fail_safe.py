@@ -153,16 +153,30 @@ def test_a_quarantined_request_and_its_prompt_draft_no_more_and_the_rest_still_d
 
     quarantine = RequestQuarantine(max_prompts=2)
     poison, other = np.array([1, 2, 3]), np.array([4, 5, 6])
-    assert quarantine.allows("a", lambda: poison) and quarantine.allows("b", lambda: other)
-    quarantine.blame("a", poison)
-    assert not quarantine.allows("a", lambda: poison) and quarantine.allows("b", lambda: other)
-    assert not quarantine.allows("a-again", lambda: poison)  # the same prompt resent
-    for req_id in ("a", "a-again", "b"):
+    assert quarantine.allows("a", lambda: ("t", poison)) and quarantine.allows("b", lambda: ("t", other))
+    quarantine.blame("a", "t", poison)
+    assert not quarantine.allows("a", lambda: ("t", poison)) and quarantine.allows("b", lambda: ("t", other))
+    assert not quarantine.allows("a-again", lambda: ("t", poison))  # the same prompt resent
+    assert quarantine.allows("c", lambda: ("another tenant", poison))  # never across tenants
+    for req_id in ("a", "a-again", "b", "c"):
         quarantine.forget(req_id)
     assert quarantine.requests == set() and quarantine._digests == {}  # nothing kept of ended requests
     for i in range(5):  # bounded: the oldest prompts are let go
-        quarantine.blame(f"x{i}", np.array([100 + i]))
-    assert len(quarantine.prompts) == 2 and quarantine.allows("a-third-time", lambda: poison)
+        quarantine.blame(f"x{i}", "t", np.array([100 + i]))
+    assert len(quarantine.prompts) == 2 and quarantine.allows("a-third-time", lambda: ("t", poison))
+
+
+def test_faults_of_single_requests_are_not_faulted_steps():
+    """Three requests whose own lookups fault in one step cost those requests their drafts; they
+    are no run of faulted steps (only many within the window switch drafting off)."""
+    safe = FailSafe()
+    safe.tick()
+    for _ in range(MAX_CONSECUTIVE_FAULTS):
+        safe.record(ValueError("one request's"), one_request=True)
+    assert not safe.switch_off_wanted and safe.agree(True)[0]
+    for _ in range(MAX_FAULTS_IN_WINDOW - MAX_CONSECUTIVE_FAULTS):
+        safe.record(ValueError("one request's"), one_request=True)
+    assert safe.switch_off_wanted
 
 
 def test_fault_points_raise_only_where_and_when_asked(monkeypatch):
@@ -276,3 +290,23 @@ def test_one_request_that_makes_drafting_fault_resent_costs_only_its_own_drafts(
         close_llm(llm)
     assert after["faults"] == 1 and not after["drafting_disabled"]
     assert after["lookup_tokens"] > before["lookup_tokens"] and after["draft_tokens"] > before["draft_tokens"]
+
+
+def test_each_test_switch_says_at_start_up_what_it_breaks(monkeypatch, caplog):
+    """Fault injection and the unpatched CPU sampler are for tests; a server that carries either
+    says so in one WARNING."""
+    from vllm_selfspec.vllm_compat import cpu_fixes
+
+    monkeypatch.setenv(INJECT_ENV, "draft@every")
+    monkeypatch.setenv(cpu_fixes.UNPATCHED_SAMPLER_ENV, "1")
+    monkeypatch.setattr(cpu_fixes, "patch", lambda *args: pytest.fail("the sampler was patched all the same"))
+    with caplog.at_level(logging.WARNING, logger="vllm.selfspec"):
+        fail_safe.warn_if_injecting()
+        cpu_fixes.fix_expand_kernel()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert "raises faults on purpose" in warnings[0] and "wrong distribution" in warnings[1]
+    monkeypatch.delenv(INJECT_ENV)
+    caplog.clear()
+    fail_safe.warn_if_injecting()
+    assert not caplog.records

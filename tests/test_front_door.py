@@ -88,6 +88,23 @@ def test_only_offline_batches_are_planned_to_end_together(tiny_model_path):
     EngineArgs(**vars(args))
 
 
+def test_only_an_api_server_that_serves_its_engines_makes_a_metrics_directory(tiny_model_path, monkeypatch):
+    """A headless node's engines are served by an API server elsewhere: it makes no directory."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from vllm_selfspec import metrics
+
+    served = []
+    monkeypatch.setattr(metrics, "serve_on_prometheus", lambda: served.append(1))
+    for headless in (True, False):
+        args = EngineArgs(
+            model=str(tiny_model_path), dtype="float32", max_model_len=512, speculative_config={"method": "self-admg"}
+        )
+        args.create_engine_config(UsageContext.OPENAI_API_SERVER, headless=headless)
+        assert len(served) == (0 if headless else 1)
+
+
 def test_other_methods_pass_through_untouched(tiny_model_path):
     config = engine_config(
         tiny_model_path, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}

@@ -136,23 +136,36 @@ class FailSafe:
         self.consecutive = 0
         return result
 
-    def record(self, err: Exception) -> None:
+    def record(self, err: Exception, one_request: bool = False) -> None:
+        """Count a fault. `one_request`: the fault was one request's own and cost only its
+        drafts (`RequestQuarantine`): it counts in the window, where many such faults still
+        switch drafting off, but it is not a faulted step, and after the first of its kind it
+        is logged at DEBUG, so that no client can fill the log."""
         self.faults += 1
-        kind = f"{type(err).__name__}: {err}"
+        kind = _kind(err)
         first_of_kind = kind not in self.kinds_seen and len(self.kinds_seen) < MAX_KINDS_REMEMBERED
         if first_of_kind:
             self.kinds_seen.add(kind)
         if self.disabled:  # already serving as plain decoding: a clean-up fault needs no alarm
             logger.debug("self-admg fault while switched off: %s", kind)
             return
-        self.consecutive += 1
         self.recent.append(self.step)
-        logger.warning(
-            "self-admg drafting fault (%d so far), this step runs without drafts: %s",
-            self.faults,
-            kind,
-            exc_info=err if first_of_kind else None,
-        )
+        if one_request:
+            logger.log(
+                logging.WARNING if first_of_kind else logging.DEBUG,
+                "self-admg drafting fault in one request (%d so far), that request drafts no more: %s",
+                self.faults,
+                kind,
+                exc_info=err if first_of_kind else None,
+            )
+        else:
+            self.consecutive += 1
+            logger.warning(
+                "self-admg drafting fault (%d so far), this step runs without drafts: %s",
+                self.faults,
+                kind,
+                exc_info=err if first_of_kind else None,
+            )
         if self.consecutive >= MAX_CONSECUTIVE_FAULTS or len(self.recent) >= MAX_FAULTS_IN_WINDOW:
             self.switch_off_wanted = True
 
@@ -173,14 +186,24 @@ class FailSafe:
         )
 
 
-def _digest(prompt) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(prompt, dtype=np.int64).tobytes(), digest_size=16).digest()
+def _kind(err: Exception) -> str:
+    try:
+        return f"{type(err).__name__}: {err}"
+    except Exception:  # an exception whose message itself raises
+        return type(err).__name__
+
+
+def _digest(tenant, prompt) -> bytes:
+    """One digest of a request's tenant and prompt: a quarantine never crosses tenants."""
+    digest = hashlib.blake2b(np.ascontiguousarray(prompt, dtype=np.int64).tobytes(), digest_size=16)
+    digest.update(b"\0" + (repr(tenant).encode() if isinstance(tenant, str | bytes | None) else b"?"))
+    return digest.digest()
 
 
 class RequestQuarantine:
-    """Requests that draft no more: those drafting in a step that faulted, and later requests
-    with the prompt of one of those (the last `MAX_PROMPTS_QUARANTINED` prompts, as digests).
-    Costs nothing until some step faulted; after that, one digest per new request."""
+    """Requests that draft no more: those whose own work faulted, and later requests of the
+    same tenant with the same prompt (the last `MAX_PROMPTS_QUARANTINED`, as digests). Costs
+    nothing until some request faulted; after that, one digest per new request."""
 
     def __init__(self, max_prompts: int = MAX_PROMPTS_QUARANTINED):
         self.max_prompts = max_prompts
@@ -188,23 +211,23 @@ class RequestQuarantine:
         self.prompts: OrderedDict[bytes, None] = OrderedDict()
         self._digests: dict[str, bytes] = {}  # live requests' prompt digests, once any prompt is quarantined
 
-    def allows(self, req_id: str, prompt: Callable[[], np.ndarray]) -> bool:
+    def allows(self, req_id: str, tenant_and_prompt: Callable[[], tuple]) -> bool:
         if req_id in self.requests:
             return False
         if not self.prompts:
             return True
         digest = self._digests.get(req_id)
         if digest is None:
-            digest = self._digests[req_id] = _digest(prompt())
+            digest = self._digests[req_id] = _digest(*tenant_and_prompt())
         if digest in self.prompts:
             self.requests.add(req_id)
             return False
         return True
 
-    def blame(self, req_id: str, prompt: np.ndarray) -> None:
-        """Quarantine this request and its prompt."""
+    def blame(self, req_id: str, tenant, prompt: np.ndarray) -> None:
+        """Quarantine this request, and its prompt within its tenant."""
         self.requests.add(req_id)
-        digest = self._digests[req_id] = _digest(prompt)
+        digest = self._digests[req_id] = _digest(tenant, prompt)
         self.prompts[digest] = None
         self.prompts.move_to_end(digest)
         while len(self.prompts) > self.max_prompts:
@@ -264,7 +287,7 @@ def fault_point(stage: str, tokens: np.ndarray | None = None) -> None:
     if injection is None:
         return
     if injection.token is not None:
-        if tokens is not None and injection.token in tokens:
+        if tokens is not None and injection.token in tokens and (injection.rank is None or injection.rank == _rank()):
             raise InjectedFault(f"injected fault at {stage} (token {injection.token})")
         return
     if tokens is not None:

@@ -223,6 +223,11 @@ class OutputHistory:
         return cut
 
 
+def salt_digest(salt: str) -> bytes:
+    """A fixed-size key for a cache_salt of any length."""
+    return hashlib.blake2b(str(salt).encode(), digest_size=16).digest()
+
+
 # A request whose tenant is not known: it neither drafts from any pool nor adds to one (fail
 # closed: an unknown tenant is nobody's, not the shared pool's).
 UNKNOWN_TENANT = object()
@@ -264,13 +269,14 @@ class TenantHistories:
         return len(self.newcomers) + len(self.returning)
 
     def key(self, tenant):
-        """The pool's key for a tenant: a digest of its salt, None for the shared unsalted pool,
-        or `_NO_POOL`."""
+        """The pool's key for a tenant: the digest of its salt (bytes, as the scheduler sends
+        it: `request_tenant`; a salt given as a string is digested here), None for the shared
+        unsalted pool, or `_NO_POOL`."""
         if tenant is UNKNOWN_TENANT or (tenant is None and not self.share_unsalted):
             return _NO_POOL
-        if tenant is None:
-            return None
-        return hashlib.blake2b(str(tenant).encode(), digest_size=16).digest()
+        if tenant is None or isinstance(tenant, bytes):
+            return tenant
+        return salt_digest(tenant)
 
     def pool(self, tenant) -> OutputHistory | None:
         key = self.key(tenant)
@@ -295,13 +301,19 @@ class TenantHistories:
         self._total += len(pool) - counted
         while len(self.returning) > max(1, int(self.RETURNING_SHARE * self.max_tenants)):
             demoted, demoted_pool = self.returning.popitem(last=False)
-            self.newcomers[demoted] = demoted_pool
-            self.newcomers.move_to_end(demoted, last=False)  # next in line among the newcomers
+            self.newcomers[demoted] = demoted_pool  # the most recent newcomer: it may come back
         while self.tenants > self.max_tenants:
             victim = self._victim(key)
             self._drop_tokens(victim, self._total)  # all of its outputs: the pool goes
-        while self._total > self.max_tokens:
+        while self._total > self.max_tokens and self.tenants:
             self._drop_tokens(self._victim(key), self._total - self.max_tokens)
+
+    def forget(self, tenant) -> None:
+        """Drop one tenant's pool."""
+        key = self.key(tenant)
+        for segment in (self.newcomers, self.returning):
+            if key is not _NO_POOL and key in segment:
+                self._total -= len(segment.pop(key))
 
     def clear(self) -> None:
         """Forget every output (vLLM reset its prefix cache, or went to sleep)."""
@@ -310,13 +322,18 @@ class TenantHistories:
         self._total = 0
 
     def _victim(self, spared):
-        """The key of the pool to take room from: the least recently used newcomer, else the
-        least recently used returning tenant, other than `spared` (the pool just added to)
-        while any other exists."""
-        for segment in (self.newcomers, self.returning):
-            for key in itertools.islice(segment, 2):
-                if key != spared:
-                    return key
+        """The key of the pool to take room from: the least recently used other newcomer; else
+        `spared` (the pool just added to) if it is a newcomer, so that one newcomer's long
+        output cannot push out the returning tenants; else the least recently used other
+        returning tenant; else `spared`."""
+        for key in itertools.islice(self.newcomers, 2):
+            if key != spared:
+                return key
+        if spared in self.newcomers:
+            return spared
+        for key in itertools.islice(self.returning, 2):
+            if key != spared:
+                return key
         return spared
 
     def _drop_tokens(self, key, tokens: int) -> None:

@@ -57,7 +57,10 @@ SNAPSHOT_GLOB = "engine*-rank*-*.json"
 METRICS = {
     "faults": ("counter", "Drafting faults on this rank (each costs one step's drafts)"),
     "steps_skipped_for_faults": ("counter", "Steps every rank served without drafts because a rank faulted"),
-    "drafting_disabled": ("gauge", "1 once self-admg switched itself off after faults (plain decoding)"),
+    "drafting_disabled": (
+        "gauge",
+        "1 while self-admg has switched drafting off after faults (plain decoding until a cool-down ends)",
+    ),
     "draft_tokens": ("counter", "Draft tokens proposed, by source: self (layer-skipping), context, history"),
     "lookup_tokens_accepted": ("counter", "Lookup draft tokens verification accepted"),
     "draft_tokens_withheld": (

@@ -203,10 +203,7 @@ class SelfAdmgProposer:
         self._learn(step)
         rows = step.rows
         budgets = [
-            self._draft_budget(row.tokens_left)
-            if row.may_draft and self.quarantine.allows(row.req_id, lambda: step.prompt(row.index))  # noqa: B023
-            else 0
-            for row in rows
+            self._draft_budget(row.tokens_left) if row.may_draft and self._allowed(step, row) else 0 for row in rows
         ]
         found = self._lookup(step, rows, budgets)
         offers = [
@@ -313,31 +310,51 @@ class SelfAdmgProposer:
 
     def _lookup(self, step: StepView, rows: list[StepRow], budgets: list[int]) -> list[tuple[DraftSource, LookupDraft]]:
         """Each row's best lookup draft (NO_DRAFT where lookup is off or finds nothing). A row
-        whose lookup raises is the request's own fault: it is quarantined (its budget set to 0
-        in `budgets`), and the other rows' drafts go on."""
+        whose own lookup raises while others' do not is that request's fault: it is
+        quarantined (its budget set to 0 in `budgets`), and the other rows' drafts go on. If
+        every row's raises, the step faults (nobody is blamed for what strikes all)."""
         fault_point("lookup")
-        found = []
+        found, failed = [], []
         start, looked_up = time.perf_counter(), 0
         for i, (row, budget) in enumerate(zip(rows, budgets)):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
-            if self.options.lookup and self._look_up and budget:
+            if self.options.lookup and self._look_up and budget and self._allowed(step, row):
                 try:
                     source, draft = self._lookup_row(step, row, budget)
                 except Exception as err:
-                    self.fail_safe.record(err)
-                    self.quarantine.blame(row.req_id, step.prompt(row.index))
-                    source, draft, budgets[i] = DraftSource.LOOKUP, NO_DRAFT, 0
+                    failed.append((i, row, err))
                 looked_up += 1
             found.append((source, draft))
+        if failed and len(failed) == looked_up > 1:
+            raise failed[0][2]
+        for i, row, err in failed:
+            self.fail_safe.record(err, one_request=True)
+            self.quarantine.blame(row.req_id, step.tenant(row.index), step.prompt(row.index))
+            budgets[i] = 0
         if looked_up:
             self.controller.observe_lookup(looked_up, time.perf_counter() - start)
         return found
 
+    def _allowed(self, step: StepView, row: StepRow) -> bool:
+        """Whether the row's request is out of quarantine (checked again per row: a request
+        blamed earlier in the step may have a twin in it, n > 1 or a resent prompt)."""
+        return self.quarantine.allows(row.req_id, lambda: (step.tenant(row.index), step.prompt(row.index)))
+
     def _lookup_row(self, step: StepView, row: StepRow, budget: int) -> tuple[DraftSource, LookupDraft]:
-        history = self.history.pool(step.tenant(row.index)) if self.history is not None else None
         context = step.context(row.index)
         fault_point("lookup", tokens=context)
-        return lookup_draft(context, budget, self.options.lookup_max_match, history)
+        tenant = step.tenant(row.index)
+        history = self.history.pool(tenant) if self.history is not None else None
+        try:
+            return lookup_draft(context, budget, self.options.lookup_max_match, history)
+        except Exception as err:
+            if history is None:
+                raise
+            # The tenant's history may be what raises: it goes, and the row drafts from its own
+            # context (if that raises too, the row is at fault).
+            self.history.forget(tenant)
+            self.fail_safe.record(err, one_request=True)
+            return lookup_draft(context, budget, self.options.lookup_max_match, None)
 
     def _first_tokens(self, step: StepView) -> FirstTokens:
         """Whether a new prompt will wait for the next step, in a server (offline, a first
@@ -410,18 +427,25 @@ class SelfAdmgProposer:
         string ended was cut in the front end at a point the worker does not know, so it is not
         kept: its tail was never sent. Runs even with drafting switched off, so that nothing is
         left behind."""
-        try:
-            if self.self_drafter is not None:
-                self.self_drafter.forget(req_id)
-            self.controller.forget(req_id)
-            self.quarantine.forget(req_id)
-            params = getattr(request, "sampling_params", None)
-            if (
-                self.history is not None
-                and request is not None
-                and request.output_token_ids
-                and not (params is not None and params.stop)
-            ):
-                self.history.add(tenant_of(request), np.array(request.output_token_ids))
-        except Exception as err:  # never let clean-up of an optimisation fail a request
-            self.fail_safe.record(err)
+        quarantined = req_id in self.quarantine.requests  # its output may be what faults: not kept
+        # Each clean-up on its own, so that one that raises leaves nothing else behind.
+        for clean_up in (
+            lambda: self.quarantine.forget(req_id),
+            lambda: self.controller.forget(req_id),
+            lambda: self.self_drafter.forget(req_id) if self.self_drafter is not None else None,
+            lambda: None if quarantined else self._keep_output(request),
+        ):
+            try:
+                clean_up()
+            except Exception as err:  # never let clean-up of an optimisation fail a request
+                self.fail_safe.record(err)
+
+    def _keep_output(self, request) -> None:
+        params = getattr(request, "sampling_params", None)
+        if (
+            self.history is not None
+            and request is not None
+            and request.output_token_ids
+            and not (params is not None and params.stop)
+        ):
+            self.history.add(tenant_of(request), np.array(request.output_token_ids))

@@ -212,7 +212,10 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
     def create_engine_config(self, usage_context=None, *args, **kwargs):
         # A context variable, not an attribute: vLLM copies an EngineArgs by vars() (e.g.
         # LLM.from_engine_args), and an unknown attribute would break plain vLLM there.
-        token = _usage_context.set(getattr(usage_context, "value", usage_context))
+        use = getattr(usage_context, "value", usage_context)
+        # A headless node runs engines for an API server elsewhere, which cannot read this
+        # node's files: no metrics directory there.
+        token = _usage_context.set(f"{use} (headless)" if kwargs.get("headless") else use)
         try:
             return original(engine_args_cls, "create_engine_config")(self, usage_context, *args, **kwargs)
         finally:

@@ -3,9 +3,10 @@
 vLLM keeps tenants apart in the prefix cache by `cache_salt`, but the worker never learns it:
 `NewRequestData` (vLLM 0.32) has no such field. Lookup drafts from earlier outputs must stay
 within a tenant (whether several tokens arrive at once would otherwise tell one user what
-another was recently sent), so the scheduler's `NewRequestData.from_request` attaches the salt
-as one extra attribute, which pickling carries to the workers, and the runner hook copies it
-onto the runner's own state of the request when the runner admits it (`remember_tenants`).
+another was recently sent), so the scheduler's `NewRequestData.from_request` attaches a digest
+of the salt as one extra attribute, which pickling carries to the workers, and the runner hook
+copies it onto the runner's own state of the request when the runner admits it
+(`remember_tenants`).
 
 That happens in every step that admits a request, whether or not the proposer runs in it (vLLM
 skips the proposer in steps where a request is within K tokens of max_model_len), and the
@@ -14,6 +15,7 @@ never attached reads as UNKNOWN_TENANT, which neither reads nor writes any histo
 in attaching it (logged once and counted, never raised into vLLM's scheduler) fails closed.
 """
 
+import hashlib
 import logging
 
 from vllm_selfspec.fail_safe import fault_point
@@ -32,7 +34,7 @@ def apply() -> None:
         try:
             fault_point("new_request")
             if hasattr(request, "cache_salt"):  # else the tenant stays unknown: no history at all
-                setattr(data, ATTRIBUTE, request.cache_salt)
+                setattr(data, ATTRIBUTE, salt_digest(request.cache_salt))
         except Exception:  # the tenant stays unknown: this request gets no history
             _count_fault()
         return data
@@ -46,6 +48,12 @@ def apply() -> None:
 
 
 faults = 0  # in this scheduler's process
+
+
+def salt_digest(salt: str | None) -> bytes | None:
+    """The salt as 16 bytes (`lookup.salt_digest`, without loading the lookup here): hashed
+    once per request, so that a salt of any length costs the workers nothing more."""
+    return None if salt is None else hashlib.blake2b(str(salt).encode(), digest_size=16).digest()
 
 
 def _count_fault() -> None:

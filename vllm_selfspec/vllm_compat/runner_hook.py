@@ -49,12 +49,15 @@ def _guarded(runner, work) -> None:
         runner.drafter.fail_safe.record(err)
 
 
-def _after_update_states(runner, scheduler_output) -> None:
-    fault_point("update_states")
-    remember_tenants(runner, scheduler_output)
+def _follow_scheduler(runner, scheduler_output) -> None:
     runner.drafter.follow_scheduler(
         prefix_cache_resets=prefix_cache_resets(scheduler_output), scheduler_faults=scheduler_faults(scheduler_output)
     )
+
+
+def _remember_tenants(runner, scheduler_output) -> None:
+    fault_point("update_states")
+    remember_tenants(runner, scheduler_output)
 
 
 def install() -> None:
@@ -94,7 +97,9 @@ def install() -> None:
         result = original(Runner, "_update_states")(self, scheduler_output, *args, **kwargs)
         if _ours(self):
             self.drafter.note_step()
-            _guarded(self, lambda: _after_update_states(self, scheduler_output))
+            # Apart, so that a fault attaching tenants never skips forgetting history on a reset.
+            _guarded(self, lambda: _follow_scheduler(self, scheduler_output))
+            _guarded(self, lambda: _remember_tenants(self, scheduler_output))
         return result
 
     def _on_request_state_removed(self, req_id, req_state):
