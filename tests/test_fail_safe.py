@@ -303,7 +303,7 @@ def test_each_test_switch_says_at_start_up_what_it_breaks(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="vllm.selfspec"):
         fail_safe.warn_if_injecting()
         cpu_fixes.fix_expand_kernel()
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vllm.selfspec" and r.levelno == logging.WARNING]
     assert len(warnings) == 2
     assert "raises faults on purpose" in warnings[0] and "wrong distribution" in warnings[1]
     monkeypatch.delenv(INJECT_ENV)
