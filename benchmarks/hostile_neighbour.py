@@ -4,12 +4,15 @@ Lookup runs for every row every step, and a context of one token repeated is its
 (every earlier position an occurrence). This starts a plain server and a self-admg server side
 by side (the idle one waits without computing), and in alternating rounds sends each of them a
 long hostile prompt (--hostile-tokens of one token, decoding --hostile-output tokens) and, once
-its prefill is done, an ordinary HumanEval prompt beside it. It prints and saves the ordinary
+its prefill is done, an ordinary request beside it: a HumanEval prompt (`--ordinary code`, which
+gains from its own drafts) or an MT-Bench question through the chat template (`--ordinary chat`,
+which gains little, and so shows what a neighbour's drafts cost a request). It prints and saves the ordinary
 request's time per output token (and the hostile one's) per round, self-admg over plain of the
 same round, with plain's own spread across rounds beside it.
 
     LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python -m benchmarks.hostile_neighbour
     ... --rounds 5 --hostile-tokens 7000
+    ... --ordinary chat --ordinary-output 48 --hostile-tokens 6000 --dtype float32
 
 Writes table.md, results.csv, tpot.png and environment.json to --out (default: a dated folder in
 the cache, outside the repository).
@@ -32,10 +35,13 @@ HOSTILE_TOKEN = 11  # any single token id; its repetition is what makes the look
 
 
 def streamed_tpot(server: VllmServer, prompt, max_tokens: int, started: threading.Event | None = None) -> float:
-    """Seconds per output token after the first, of one streamed greedy completion."""
-    stream = server.client(timeout=600).completions.create(
+    """Seconds per output token after the first, of one streamed greedy completion (a chat
+    completion if `prompt` is a list of messages)."""
+    client = server.client(timeout=600)
+    chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+    stream = (client.chat.completions if chat else client.completions).create(
         model=server.model,
-        prompt=prompt,
+        **({"messages": prompt} if chat else {"prompt": prompt}),
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -45,7 +51,7 @@ def streamed_tpot(server: VllmServer, prompt, max_tokens: int, started: threadin
     first = last = None
     tokens = 0
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+        if chunk.choices and (chunk.choices[0].delta.content if chat else chunk.choices[0].text):
             last = time.perf_counter()
             first = first or last
             if started is not None:
@@ -76,6 +82,9 @@ def parse_args(argv=None):
     parser.add_argument("--hostile-tokens", type=int, default=7000, help="length of the repeated-token prompt")
     parser.add_argument("--hostile-output", type=int, default=384)
     parser.add_argument("--ordinary-output", type=int, default=128)
+    parser.add_argument(
+        "--ordinary", choices=["code", "chat"], default="code", help="the ordinary request: HumanEval or MT-Bench"
+    )
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
@@ -93,7 +102,11 @@ def main(argv=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
     model = assets.model_or_path(args.model)
-    ordinary = assets.load_prompts("humaneval")[0]
+    ordinary = (
+        [{"role": "user", "content": assets.load_prompts("mtbench")[0]}]
+        if args.ordinary == "chat"
+        else assets.load_prompts("humaneval")[0]
+    )
     common = server_flags(model, args.dtype, args.max_model_len, kv_cache_gb=2, seed=0)
     servers = {
         "plain": VllmServer(model, *common, log_path=out / "plain.log"),
@@ -130,7 +143,7 @@ def write(rows: list[dict], out: Path, args) -> None:
         writer.writeheader()
         writer.writerows(rows)
     lines = [
-        f"Ordinary request ({args.ordinary_output} tokens) beside a prompt of {args.hostile_tokens} "
+        f"Ordinary {args.ordinary} request ({args.ordinary_output} tokens) beside a prompt of {args.hostile_tokens} "
         f"repeated tokens ({args.hostile_output} tokens out); {args.model}, {args.dtype}; "
         "ms per output token; speed-up: plain's time per token over self-admg's in the same round; "
         "plain's spread: its time over its mean across rounds.",

@@ -311,8 +311,12 @@ def test_set_up_at_a_new_shape_is_not_charged_to_verification():
     assert sum(controller.plan(sure, self_budget=0).lookup_lengths) > 0
 
 
-def trained(t0, t1, self_step, lookup_rate, self_rate, t_sampled=0.0, t_verify=0.0):
+def trained(t0, t1, self_step, lookup_rate, self_rate, t_sampled=0.0, t_verify=0.0, protect_rows=False):
+    """A controller that has learned these step costs and acceptance rates. The greedy plan's
+    own rules are tested without the per-row rule (`objective: "throughput"`), which has tests
+    of its own (`protect_rows=True`)."""
     controller = DraftController()
+    controller.planner.protect_rows = protect_rows
     for n in [1, 3, 5, 8] * 4:
         controller.observe_step(0, n, 0, t0 + t1 * n)
         controller.observe_step(0, n, n, t0 + (t1 + t_sampled) * n)
@@ -330,6 +334,63 @@ def lookup_rows(*found, sampled=False):
 
 def self_rows(count, start=100):
     return [RowOffer(f"r{start + i}", can_self_draft=True) for i in range(count)]
+
+
+def with_history(controller, req_ids, drafted=4, accepted=4, times=3):
+    """Requests whose lookup drafts have been verified often enough to be trusted."""
+    for req_id in req_ids:
+        for _ in range(times):
+            controller.observe_draft(req_id, DraftSource.LOOKUP, drafted, accepted)
+    return controller
+
+
+def test_a_row_without_a_draft_is_not_slowed_by_its_neighbours_drafts():
+    """A sure lookup draft whose verification costs a tenth of the step each token, beside a
+    row with none: the batch would gain, the row without a draft would lose; the plan keeps
+    the step within ROW_SLACK of plain's. The operator's throughput objective takes it."""
+    from vllm_selfspec.control.planner import ROW_SLACK
+
+    controller = trained(t0=0.05, t1=0.01, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    offers = [RowOffer("hostile", lookup_tokens=4, lookup_probs=(0.95,) * 4), RowOffer("chat")]
+    assert sum(controller.plan(offers, self_budget=0).lookup_lengths) == 0
+    controller.planner.protect_rows = False
+    assert controller.plan(offers, self_budget=0).lookup_lengths == [4, 0]
+    # Cheap verification: the tokens that fit in the slack are still taken.
+    cheap = trained(t0=0.05, t1=0.001, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    step = cheap.costs.target()
+    fit = int(ROW_SLACK / (1 - ROW_SLACK) * (step.t0 + 2 * step.t_row) / step.t_row)
+    assert fit < 4 and cheap.plan(offers, self_budget=0).lookup_lengths == [fit, 0]
+
+
+def test_the_row_rule_costs_nothing_for_one_row_or_rows_that_all_gain():
+    protected = trained(t0=0.05, t1=0.01, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    unprotected = trained(t0=0.05, t1=0.01, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    unprotected.planner.protect_rows = False
+    alone = [RowOffer("alone", lookup_tokens=4, lookup_probs=(0.95,) * 4)]
+    assert protected.plan(alone, 0) == unprotected.plan(alone, 0) and sum(protected.plan(alone, 0).lookup_lengths)
+    rows = [RowOffer(f"code{i}", lookup_tokens=4, lookup_probs=(0.95,) * 4) for i in range(4)]
+    for controller in (protected, unprotected):
+        with_history(controller, [o.req_id for o in rows])
+    assert protected.plan(rows, 0) == unprotected.plan(rows, 0) and sum(protected.plan(rows, 0).lookup_lengths) > 4
+    # A row is never charged its own draft: a new request's draft dearer than the slack, beside a
+    # trusted row whose short draft fits in the slack, is made whole.
+    controller = trained(t0=0.05, t1=0.001, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    with_history(controller, ["short"])
+    offers = [RowOffer("new", lookup_tokens=4, lookup_probs=(0.95,) * 4), RowOffer("short", lookup_tokens=1)]
+    assert controller.plan(offers, self_budget=0).lookup_lengths == [4, 1]
+
+
+def test_a_new_request_is_credited_no_gain_until_its_drafts_are_verified():
+    """A row with a one-token draft beside a row whose long draft costs more than the slack:
+    the short draft's estimated gain would cover the long draft's time, but a new request's
+    estimate is not trusted (it counts as gaining nothing); once its drafts are verified, it is."""
+    controller = trained(t0=0.05, t1=0.001, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    with_history(controller, ["long"])
+    offers = [RowOffer("long", lookup_tokens=4, lookup_probs=(0.95,) * 4), RowOffer("short", lookup_tokens=1)]
+    untrusted = controller.plan(offers, self_budget=0).lookup_lengths
+    with_history(controller, ["short"])
+    trusted = controller.plan(offers, self_budget=0).lookup_lengths
+    assert untrusted[0] < trusted[0] == 4 and untrusted[1] == trusted[1] == 1
 
 
 def test_cheap_verification_and_good_drafts_draft_everything():

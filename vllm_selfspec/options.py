@@ -168,6 +168,12 @@ class SelfAdmgOptions:
     adaptive: bool = option(
         True, "draft only as many tokens as measured step costs and acceptance say pay, down to none (false = always K)"
     )
+    objective: str = option(
+        "per-request",
+        "what the controller protects: 'per-request' (no request's expected rate falls below plain "
+        "decoding's for another's drafts) or 'throughput' (the batch's tokens per second, whoever pays)",
+        choices=("per-request", "throughput"),
+    )
     skip_budget: float = option(
         0.0,
         "instead of the thresholds: skip the sublayers that change the stream least per "

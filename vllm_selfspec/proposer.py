@@ -94,6 +94,7 @@ class SelfAdmgProposer:
         self.closed_batches = bool((vllm_config.additional_config or {}).get(CLOSED_BATCHES_KEY, False))
         self.counters = ProposerCounters()
         self.controller = DraftController()
+        self.controller.planner.protect_rows = self.options.objective == "per-request"
         self.self_drafter: SelfDrafter | None = None
         self.history = (
             TenantHistories(

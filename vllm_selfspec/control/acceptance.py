@@ -53,16 +53,20 @@ class AcceptanceRate:
         # Two pseudo-trials at the prior, so that the first outcomes do not swing it to 0 or 1.
         self.accepted, self.trials = Decayed(self.decay, 2 * self.prior), Decayed(self.decay, 2.0)
 
+    verified: int = 0  # draft tokens verified so far (not decayed): how much the rate rests on
+
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted > 0:
             self.accepted.add(accepted)
             self.trials.add(accepted + (accepted < drafted))
+            self.verified += drafted
 
     @property
     def rate(self) -> float:
         return min(self.accepted.value / self.trials.value, 0.999)
 
 
+TRUSTED_AFTER_TOKENS = 8  # a request's verified draft tokens before its own acceptance counts
 MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
 AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
 
@@ -177,6 +181,15 @@ class AcceptanceModel:
         source = DraftSource(source)
         rate = self._by_request.get((req_id, source))
         return rate.rate if rate else self.rates[source].rate
+
+    def has_history(self, req_id: str) -> bool:
+        """Whether this request's lookup drafts have been verified often enough for its own
+        acceptance to be trusted (`planner`: a row without is credited no gain)."""
+        return any(
+            rate.verified >= TRUSTED_AFTER_TOKENS
+            for source in (DraftSource.LOOKUP, DraftSource.HISTORY)
+            if (rate := self._by_request.get((req_id, source))) is not None
+        )
 
     def calibration(self, offer, length: int | None = None) -> list[BinPrior]:
         """The bins and priors of an offer's first `length` lookup tokens (all by default). A

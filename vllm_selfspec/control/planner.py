@@ -26,6 +26,18 @@ once), that step may be at most FIRST_TOKEN_SLACK longer than plain decoding's
 on average half of whatever step is in progress: that is the price of a longer step, set
 against its tokens by the margin.
 
+Every row protected. The steady plan maximises the batch's tokens per second, but a request
+is timed alone: a row that gains little from drafting pays for its neighbours' drafts in a
+longer step. So a draft token is bought only if, with it, every row's expected rate stays at
+least (1 - ROW_SLACK) of plain decoding's for that row, 1 / t_plain: (1 + g_i) / t_i >=
+(1 - ROW_SLACK) / t_plain, where t_i is the planned step less the time of row i's own drafts
+(and of the verification every draft needs, if row i drafts), and g_i the tokens its own draft
+is expected to add, counted only once its acceptance rests on a few verified drafts (a new
+request's estimate is a guess, and counting nothing protects it). A row is never charged its
+own draft, so one row alone, or rows that all gain, lose nothing by it; a row without a draft
+then allows the step to grow by ROW_SLACK / (1 - ROW_SLACK) of plain's and no more. An
+operator who wants the batch's throughput whoever pays sets `objective: "throughput"`.
+
 Draining batches. The steady plan values a row's accepted token as the step time it frees for
 someone else. When no request has been admitted for a while (an offline batch finishing), a
 freed slot stays empty and the batch lasts as long as its longest row: a step is saved only when
@@ -53,6 +65,7 @@ from vllm_selfspec.control.step_costs import StepCostModel
 
 DRAFT_MARGIN = 0.2  # a draft token's gain per second must beat the step's rate by this share
 FIRST_TOKEN_SLACK = 0.05  # how much longer than plain's a step a new prompt waits for may be
+ROW_SLACK = 0.05  # how much below plain decoding's rate the plan may leave any row
 FIRST_RETRY_AFTER = 16  # steps without self-drafting before a retry; doubles after each
 LAST_RETRY_AFTER = 1024
 
@@ -135,11 +148,47 @@ class Choice:
         )
 
 
+class RowProtection:
+    """The per-row rule (module docstring, "Every row protected") over a plan: each row's own
+    draft seconds and credited gain, and whether the plan's step leaves every row at least
+    (1 - ROW_SLACK) of plain's rate. The greedy plan is made first and then trimmed, its least
+    paying tokens first, until it does: checked token by token as it grows, the first token
+    would be refused for the rows whose drafts come later."""
+
+    def __init__(self, t_plain: float, t_verify: float, trusted: list[bool]):
+        self.t_plain, self.t_verify, self.trusted = t_plain, t_verify, trusted
+        self.own = [0.0] * len(trusted)
+        self.credited = [0.0] * len(trusted)
+        self.undrafted = len(trusted)  # rows with no draft: each allows the same, the least
+        self.without_draft = t_plain * ROW_SLACK / (1 - ROW_SLACK)
+
+    def allowance(self, i: int) -> float:
+        """How much longer than plain's the step may be for row i."""
+        extra = self.t_plain * ((1 + self.credited[i]) / (1 - ROW_SLACK) - 1)
+        return extra + (self.own[i] + self.t_verify if self.own[i] else 0.0)
+
+    def satisfied(self, added: float) -> bool:
+        """Whether a step `added` seconds longer than plain's leaves every row its due (a row
+        with a draft allows at least what one without allows)."""
+        if self.undrafted:
+            return added <= self.without_draft
+        return all(added <= self.allowance(i) for i in range(len(self.own)))
+
+    def take(self, rows: list[int], seconds_each: float, gains: list[float], sign: int = 1) -> None:
+        """Rows take one more draft token each (`sign` -1: give it back)."""
+        for i, gain in zip(rows, gains):
+            was_drafting = self.own[i] > 0
+            self.own[i] = max(self.own[i] + sign * seconds_each, 0.0)
+            self.credited[i] += sign * gain * self.trusted[i]
+            self.undrafted += was_drafting - (self.own[i] > 0)
+
+
 @dataclass
 class DraftPlanner:
     costs: StepCostModel
     acceptance: AcceptanceModel
     retry_after: int = FIRST_RETRY_AFTER
+    protect_rows: bool = True  # the per-row rule; False: the batch's throughput (objective)
     _idle_steps: int = 0
 
     def plan(
@@ -192,17 +241,22 @@ class DraftPlanner:
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
-        best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds)
+        protected = (
+            (plain.seconds, t_verify, [self.acceptance.has_history(o.req_id) for o in offers])
+            if self.protect_rows and len(offers) > 1
+            else None
+        )
+        best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds, protected=protected)
         if self_rows and self.costs.self_step_measured and self_budget:
             with_self = self._greedy(
-                offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, max_seconds
+                offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, max_seconds, protected
             )
             unpaid = self._unpaid_probes(offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
             if unpaid:  # plan again without them (they may still take their lookup drafts)
                 kept = [i for i in self_rows if i not in unpaid]
                 kept_cost = self._self_token_cost(cost, kept)
                 with_self = (
-                    self._greedy(offers, gains, cost, verifying, kept, self_budget, kept_cost, max_seconds)
+                    self._greedy(offers, gains, cost, verifying, kept, self_budget, kept_cost, max_seconds, protected)
                     if kept
                     else best
                 )
@@ -260,13 +314,26 @@ class DraftPlanner:
         return best_saving > self.costs.self_step_seconds(len(retry_rows)) + probe
 
     def _greedy(
-        self, offers, gains, cost, start, self_rows=(), self_budget=0, self_token_cost=0.0, max_seconds=math.inf
+        self,
+        offers,
+        gains,
+        cost,
+        start,
+        self_rows=(),
+        self_budget=0,
+        self_token_cost=0.0,
+        max_seconds=math.inf,
+        protected=None,
     ) -> Choice:
         """Add draft tokens, best gain per second first, while each beats the step's rate so far
-        by the margin and the step stays within `max_seconds` (a token that does not fit is
-        left, with the deeper tokens of its row)."""
+        by the margin, the step stays within `max_seconds`, and (`protected`: plain's step
+        seconds, verification's, and which rows' acceptance is trusted) every row keeps its
+        due (`RowProtection`). A token that does not fit is left, with the deeper tokens of its
+        row."""
         tokens, seconds = start
+        protection = RowProtection(*protected) if protected else None
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
+        taken = []  # (kind, rows, seconds each, gain each) per token taken, in the order taken
         # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
         # so a row's next token is queued only once its last is taken.
         candidates = [
@@ -284,14 +351,27 @@ class DraftPlanner:
                 continue
             if kind == "lookup":
                 choice.lookup_lengths[i] = depth
-                tokens, seconds = tokens + gains[i][depth - 1], seconds + cost[i]
+                taken.append(("lookup", [i], cost[i], [gains[i][depth - 1]]))
                 if depth < offers[i].lookup_tokens:
                     heapq.heappush(candidates, (-gains[i][depth] / cost[i], "lookup", i, depth + 1))
             else:
                 choice.self_length = depth
-                tokens, seconds = tokens + m * a_self**depth, seconds + self_token_cost
+                taken.append(("self", sorted(self_rows), self_token_cost / m, [a_self**depth] * m))
                 if depth < self_budget:
                     heapq.heappush(candidates, (-m * a_self ** (depth + 1) / self_token_cost, "self", -1, depth + 1))
+            _, rows, each, gained = taken[-1]
+            tokens, seconds = tokens + sum(gained), seconds + each * len(rows)
+        if protection is not None:
+            for _, rows, each, gained in taken:
+                protection.take(rows, each, gained)
+            while taken and not protection.satisfied(seconds - protection.t_plain):
+                kind, rows, each, gained = taken.pop()  # the least paying token taken, its row's deepest
+                protection.take(rows, each, gained, sign=-1)
+                tokens, seconds = tokens - sum(gained), seconds - each * len(rows)
+                if kind == "self":
+                    choice.self_length -= 1
+                else:
+                    choice.lookup_lengths[rows[0]] -= 1
         if not choice.self_length:
             choice.self_rows = set()
         choice.tokens, choice.seconds = tokens, seconds
