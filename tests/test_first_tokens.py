@@ -145,8 +145,11 @@ def test_rows_that_end_with_the_step_are_counted():
 def _first_tokens_over(views, closed_batches=False):
     from vllm_selfspec.control.refills import Refills
     from vllm_selfspec.proposer import SelfAdmgProposer
+    from vllm_selfspec.report import ProposerCounters
 
-    proposer = SimpleNamespace(closed_batches=closed_batches, _requests_ended=0, refills=Refills(), _steps_run=0)
+    proposer = SimpleNamespace(
+        closed_batches=closed_batches, _requests_ended=0, refills=Refills(), _steps_run=0, counters=ProposerCounters()
+    )
     states = []
     for view in views:
         proposer._steps_run += 1
