@@ -319,7 +319,9 @@ class SelfAdmgProposer:
         start, looked_up = time.perf_counter(), 0
         for i, (row, budget) in enumerate(zip(rows, budgets)):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
-            if self.options.lookup and self._look_up and budget and self._allowed(step, row):
+            if budget and not self._allowed(step, row):
+                budgets[i] = 0  # a twin of a request blamed earlier in this step
+            elif self.options.lookup and self._look_up and budget:
                 try:
                     source, draft = self._lookup_row(step, row, budget)
                 except Exception as err:
