@@ -677,6 +677,34 @@ def paired_ttft_ratio(run: Run, bases: list[Run]) -> float | None:
     return statistics.median(t / statistics.mean(others) for t, *others in zip(mine, *theirs))
 
 
+def request_tpots(run: Run) -> list[float | None] | None:
+    """Each request's time per output token after its first, in seconds (None where it emitted
+    one token or none), from what `vllm bench serve --save-detailed` saved."""
+    latencies, ttfts, lens = (run.result.get(k) for k in ("latencies", "ttfts", "output_lens"))
+    if not latencies or not ttfts or not lens:
+        return None
+    return [(e - t) / (n - 1) if n and n > 1 else None for e, t, n in zip(latencies, ttfts, lens)]
+
+
+def paired_request_speeds(run: Run, bases: list[Run]) -> list[float] | None:
+    """Each request's speed against the same prompt's on its baselines: their mean time per
+    output token over its own (above 1 is faster). vLLM users time requests one by one: the
+    batch's mean can gain while some requests pay for others' drafts."""
+    lens = run.result.get("input_lens")
+    if lens is None or any(base.result.get("input_lens") != lens for base in bases):
+        return None
+    mine, theirs = request_tpots(run), [request_tpots(base) for base in bases]
+    if mine is None or None in theirs:
+        return None
+    return [statistics.mean(others) / own for own, *others in zip(mine, *theirs) if own and all(others)] or None
+
+
+def low_end(speeds: list[float], share: float = 0.1) -> float:
+    """The `share` quantile of per-request speeds (the slower end), by the nearest rank."""
+    ordered = sorted(speeds)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (workload, load point, server): medians over rounds; ratio ranges over the
     rounds whose runs, and their baseline's, served every request. Plain's own row, where its
@@ -727,6 +755,9 @@ def summarize(runs: list[Run]) -> list[dict]:
             row[name] = spread(values)
         values = [v for r, bases in pairs if (v := paired_ttft_ratio(r, bases)) is not None]
         row["ttft_paired_x"] = spread(values)
+        speeds = [v for r, bases in pairs if (v := paired_request_speeds(r, bases)) is not None]
+        row["request_speed_p10_x"] = spread([low_end(s) for s in speeds])
+        row["request_speed_min_x"] = spread([min(s) for s in speeds])
         identical = [r.identical_to_plain for r in group if r.identical_to_plain is not None]
         row["identical_to_plain"] = (
             f"{sum(identical)}/{sum(r.metric('completed') or 0 for r in group)}" if identical else ""
@@ -1058,7 +1089,9 @@ def write_summary(runs: list[Run], args, out: Path, command: str, started: str |
         f"{started or dt.datetime.now().isoformat(timespec='minutes')}.\n"
         f"Ratios against plain in the same round (min-max over rounds); above 1 is better, except p99 TTFT "
         f"(below 1 is better), and ttft_paired_x, the median over requests of each one's TTFT against the "
-        f"same prompt's on plain (below 1 is better); plain's own ratios, where it ran more than once a "
+        f"same prompt's on plain (below 1 is better); request_speed_p10_x and request_speed_min_x, the "
+        f"10th percentile and the slowest of each request's time per output token on plain over its own "
+        f"(above 1 is faster); plain's own ratios, where it ran more than once a "
         f"round, are each plain run against its others: the noise. Below capacity the output throughput "
         f"follows the arrival rate (the last request is sent at prompts / rate): there TPOT and TTFT tell "
         f"methods apart.\n"

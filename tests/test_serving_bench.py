@@ -130,6 +130,28 @@ def test_first_tokens_are_compared_request_by_request_with_the_same_prompts_on_p
     assert {r["server"]: r for r in serving.summarize(runs)}["fast"]["ttft_paired_x"] == ""
 
 
+def test_each_requests_speed_is_compared_with_the_same_prompt_on_plain():
+    """vLLM users time requests one by one: the low end of per-request speeds is reported beside
+    the means (a request that pays for others' drafts shows there, not in the mean)."""
+    point = LoadPoint("0.1C", 0.2)
+    lens = list(range(10, 110, 10))  # ten prompts
+    tpots_plain = [0.010] * 10
+    tpots_fast = [0.005] * 8 + [0.020, 0.0125]  # most twice as fast, two slower than plain
+
+    def detailed(tpots):  # what --save-detailed keeps: latencies, ttfts, output lengths
+        return dict(latencies=[0.1 + 4 * t for t in tpots], ttfts=[0.1] * 10, output_lens=[5] * 10, input_lens=lens)
+
+    runs = [
+        run("plain", point, 0, slot=0, **detailed(tpots_plain)),
+        run("fast", point, 0, slot=1, **detailed(tpots_fast)),
+    ]
+    row = {r["server"]: r for r in serving.summarize(runs)}["fast"]
+    assert row["request_speed_min_x"] == "0.50"  # the slowest: 10 ms on plain, 20 ms here
+    assert row["request_speed_p10_x"] == "0.80"  # the 10th percentile of ten: the second slowest
+    runs[0].result["input_lens"] = lens[::-1]  # other prompts: no pairs
+    assert {r["server"]: r for r in serving.summarize(runs)}["fast"]["request_speed_min_x"] == ""
+
+
 def test_identical_outputs_are_counted_against_plain_among_served_requests():
     point = LoadPoint("max", math.inf, 4)
     runs = [
