@@ -62,7 +62,7 @@ def pin_step_costs(llm, t0: float, t_row: float, t_verify: float, self_step: flo
         for rows in (1, 4, 8) * 4:
             for drafts in (0, 2):
                 seconds = t0 + t_row * (rows + drafts) + t_verify * (drafts > 0)
-                step.observe((0, rows + drafts, 0, drafts > 0, False), seconds)
+                step.observe((0, rows + drafts, 0, drafts > 0, False, 0.0), seconds)
             drafting.observe((rows,), self_step)
         step.observe = drafting.observe = lambda *args: None
         costs = worker.model_runner.drafter.controller.costs

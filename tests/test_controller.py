@@ -244,15 +244,18 @@ def test_step_cost_fits_each_kind_of_work_and_ignores_idle_gaps():
     ]
     for new in (1, 0):  # each shape comes twice, the first time with set-up
         for p, n, s, v in steps:
-            cost.observe((p, n, s, v, new), 0.2 + 0.001 * p + 0.01 * n + 0.02 * s + 0.05 * v + 0.03 * new)
+            k = n * (1 + n % 3) * (0.5 + new)  # thousands of context tokens read, spread apart from rows
+            cost.observe(
+                (p, n, s, v, new, k), 0.2 + 0.001 * p + 0.01 * n + 0.02 * s + 0.05 * v + 0.03 * new + 0.004 * k
+            )
     intercept, coef = cost.coefficients()
     assert intercept == pytest.approx(0.2, rel=1e-2)
-    assert coef == pytest.approx([0.001, 0.01, 0.02, 0.05, 0.03], rel=5e-2)
-    cost.observe((0, 1, 0, 0, 0), 60.0)  # the engine sat idle between requests
-    assert cost.predict((0, 1, 0, 0, 0)) == pytest.approx(0.21, rel=1e-2)
+    assert coef == pytest.approx([0.001, 0.01, 0.02, 0.05, 0.03, 0.004], rel=5e-2)
+    cost.observe((0, 1, 0, 0, 0, 0), 60.0)  # the engine sat idle between requests
+    assert cost.predict((0, 1, 0, 0, 0, 0)) == pytest.approx(0.21, rel=1e-2)
     for _ in range(6):  # but steps that really got slower are followed
-        cost.observe((0, 1, 0, 0, 0), 2.0)
-    assert cost.predict((0, 1, 0, 0, 0)) > 0.3
+        cost.observe((0, 1, 0, 0, 0, 0), 2.0)
+    assert cost.predict((0, 1, 0, 0, 0, 0)) > 0.3
 
 
 def test_step_cost_charges_an_always_sampling_workload_to_its_rows():
@@ -260,8 +263,8 @@ def test_step_cost_charges_an_always_sampling_workload_to_its_rows():
     price a sampled row right, and not make rows look free."""
     cost = target_step_cost()
     for n in [32, 64, 96, 128] * 3:
-        cost.observe((0, n, n, 1, 0), 0.3 + 0.015 * n)  # and always verifying drafts
-    intercept, (_, t_row, t_sampled, t_verify, _) = cost.coefficients()
+        cost.observe((0, n, n, 1, 0, 0), 0.3 + 0.015 * n)  # and always verifying drafts
+    intercept, (_, t_row, t_sampled, t_verify, _, _) = cost.coefficients()
     assert t_row + t_sampled == pytest.approx(0.015, rel=1e-2) and t_row > 0.01
     assert intercept + t_verify == pytest.approx(0.3, rel=1e-2) and t_verify < 0.01
 
@@ -271,19 +274,19 @@ def test_step_cost_prompt_tokens_do_not_make_draft_tokens_look_cheap():
     logits, one big product). One slope for both priced drafts at the prompt rate."""
     cost = target_step_cost()
     for n in [32, 64, 96, 128] * 3:
-        cost.observe((0, n, 0, 0, 0), 0.3 + 0.012 * n)
+        cost.observe((0, n, 0, 0, 0, 0), 0.3 + 0.012 * n)
     for _ in range(3):
-        cost.observe((4000, 32, 0, 0, 0), 0.3 + 0.002 * 4000 + 0.012 * 32)
-    _, (t_prompt, t_row, _, _, _) = cost.coefficients()
+        cost.observe((4000, 32, 0, 0, 0, 0), 0.3 + 0.002 * 4000 + 0.012 * 32)
+    _, (t_prompt, t_row, _, _, _, _) = cost.coefficients()
     assert t_prompt == pytest.approx(0.002, rel=1e-2) and t_row == pytest.approx(0.012, rel=1e-2)
 
 
 def test_step_cost_without_spread_assumes_a_token_costs_a_tenth_of_a_step():
     cost = target_step_cost()
     for _ in range(10):
-        cost.observe((0, 4, 0, 0, 0), 0.28)
-    _, (_, t_row, _, _, _) = cost.coefficients()
-    assert 0.01 < t_row < 0.05 and cost.predict((0, 4, 0, 0, 0)) == pytest.approx(0.28)
+        cost.observe((0, 4, 0, 0, 0, 0), 0.28)
+    _, (_, t_row, _, _, _, _) = cost.coefficients()
+    assert 0.01 < t_row < 0.05 and cost.predict((0, 4, 0, 0, 0, 0)) == pytest.approx(0.28)
 
 
 def test_set_up_at_a_new_shape_is_not_charged_to_verification():
@@ -302,7 +305,7 @@ def test_set_up_at_a_new_shape_is_not_charged_to_verification():
     # A closed batch of 6 greedy rows: one lookup token drafted early, then none; rows finishing.
     for rows, drafts in [(6, 0)] * 6 + [(6, 1)] + [(6, 0)] * 40 + [(4, 0), (2, 0)]:
         step(rows, drafts)
-    t0, (_, _, _, t_verify, t_new) = controller.costs.step.coefficients()
+    t0, (_, _, _, t_verify, t_new, _) = controller.costs.step.coefficients()
     assert t_verify < 0.002 and t_new == pytest.approx(0.012, rel=0.2)
     sure = [
         RowOffer(f"r{i}", lookup_tokens=3, lookup_source="history", lookup_probs=(0.5, 0.5, 0.5), lookup_match=8)
@@ -378,6 +381,21 @@ def test_the_row_rule_costs_nothing_for_one_row_or_rows_that_all_gain():
     with_history(controller, ["short"])
     offers = [RowOffer("new", lookup_tokens=4, lookup_probs=(0.95,) * 4), RowOffer("short", lookup_tokens=1)]
     assert controller.plan(offers, self_budget=0).lookup_lengths == [4, 1]
+
+
+def test_a_draft_token_is_priced_by_the_context_its_row_attends_over():
+    """Steps whose rows read long contexts cost more: the fit learns it, and a draft token of a
+    6,000-token row beside a short one no longer fits the slack the short row allows, while the
+    same draft of a short row does."""
+    controller = trained(t0=0.05, t1=0.001, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    for n in [1, 2, 4] * 6:  # the same rows over contexts of 100 to 6,000 tokens: 1 ms a row per 1,000
+        for context in (100, 2000, 6000):
+            controller.observe_step(0, n, 0, 0.05 + 0.001 * n + 0.001 * n * context / 1000, context_read=n * context)
+    assert controller.costs.target().t_context == pytest.approx(0.001, rel=0.1)
+    sure = dict(lookup_tokens=4, lookup_probs=(0.95,) * 4)
+    beside_short = [RowOffer("drafting", context=200, **sure), RowOffer("chat", context=200)]
+    beside_long = [RowOffer("drafting", context=6000, **sure), RowOffer("chat", context=200)]
+    assert sum(controller.plan(beside_short, 0).lookup_lengths) > sum(controller.plan(beside_long, 0).lookup_lengths)
 
 
 def test_a_new_request_is_credited_no_gain_until_its_drafts_are_verified():

@@ -218,6 +218,7 @@ class SelfAdmgProposer:
                 draft.match,
                 row.tokens_left,
                 has_mask=row.req_id in self.self_drafter.masks,
+                context=step.context_length(row.index),
             )
             for row, budget, (source, draft) in zip(rows, budgets, found)
         ]
@@ -282,7 +283,12 @@ class SelfAdmgProposer:
         if self._step_end is not None and shape is not None and step.engine_was_busy and follows_last_call:
             seconds = now - self._step_end
             self.controller.observe_step(
-                shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, seconds, shape.draft_tokens
+                shape.prompt_tokens,
+                shape.logit_rows,
+                shape.sampled_rows,
+                seconds,
+                shape.draft_tokens,
+                shape.context_read,
             )
             self.counters.steps.append(
                 (shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, shape.draft_tokens, seconds)

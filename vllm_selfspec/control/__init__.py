@@ -44,9 +44,15 @@ class DraftController:
 
     # What happened.
     def observe_step(
-        self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float, draft_tokens: int = 0
+        self,
+        prompt_tokens: int,
+        logit_rows: int,
+        sampled_rows: int,
+        seconds: float,
+        draft_tokens: int = 0,
+        context_read: float = 0.0,
     ) -> None:
-        self.costs.observe_step(prompt_tokens, logit_rows, sampled_rows, seconds, draft_tokens)
+        self.costs.observe_step(prompt_tokens, logit_rows, sampled_rows, seconds, draft_tokens, context_read)
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
         self.costs.observe_self_step(rows, seconds)

@@ -83,6 +83,7 @@ class RowOffer:
     lookup_match: int = 0
     remaining: int | None = None  # tokens the request may still emit (None: no limit known)
     has_mask: bool = False  # its prompt is probed already: a self-draft needs no probe
+    context: int = 0  # tokens each of its logit rows attends over
 
     @property
     def tokens_left(self) -> float:
@@ -201,7 +202,7 @@ class DraftPlanner:
         if not self.costs.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup_tokens for o in offers], 0, False, [False] * len(offers))
         step = self.costs.target()
-        cost = [max(step.t_row + step.t_sampled * o.sampled, 1e-9) for o in offers]
+        cost = [max(step.t_row + step.t_sampled * o.sampled + step.t_context * o.context / 1000, 1e-9) for o in offers]
         gains = [self.acceptance.lookup_gains(o) if o.lookup_tokens else [] for o in offers]
         # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
         # than a self-draft's.

@@ -2,7 +2,8 @@
 
 A target step's time is linear in what it computes:
     T = t0 + t_prompt * prompt tokens + t_row * logit rows + t_sampled * sampled logit rows
-           + t_verify * (1 if the step verifies any draft) + t_new * (1 if its shape is new).
+           + t_verify * (1 if the step verifies any draft) + t_new * (1 if its shape is new)
+           + t_context * context read (thousands of tokens: each logit row's context, summed).
 A logit row is a position whose logits are computed: one per request, plus one per draft token.
 Prompt tokens need no logits and run as one big matrix product, so they are cheaper than a
 verified draft token and get their own coefficient. Rows that sample (temperature > 0) pay the
@@ -10,6 +11,8 @@ rejection sampler's softmax over the vocabulary on top. A step that verifies any
 vLLM's rejection sampler and its metadata, a fixed cost. The first step at each shape (logit
 rows, sampled rows, draft tokens) pays one-off set-up (kernels for new sizes); t_new takes it,
 so it is not charged to verification, which would then look too dear to ever be tried again.
+Each logit row attends over its request's context: a draft token of a 6,000-token request costs
+more than one of a 100-token request, and t_context prices the difference.
 A self-draft step over m rows and a probe per new prompt are measured apart.
 """
 
@@ -100,12 +103,13 @@ class LinearCost:
 
 def target_step_cost() -> LinearCost:
     """A target step: features (prompt tokens, logit rows, sampled logit rows, verifies any
-    draft, first step at its shape). Sampling and verification are assumed free until seen to
+    draft, first step at its shape, thousands of context tokens read by the logit rows). Context
+    is assumed free until seen to cost, like sampling. Sampling and verification are assumed free until seen to
     cost, and pulled hardest to that: a workload that always samples charges its cost to every
     row (the safe side), not to a greedy row it never saw, and one that always drafts charges
     verification to t0. The first verifications are all at new shapes: set-up is pulled less,
     so it takes their extra cost."""
-    return LinearCost(prior_share=(0.1, 0.1, 0.0, 0.0, 0.0), ridge=(1e-4, 1e-4, 1e-2, 1e-2, 1e-3))
+    return LinearCost(prior_share=(0.1, 0.1, 0.0, 0.0, 0.0, 0.0), ridge=(1e-4, 1e-4, 1e-2, 1e-2, 1e-3, 1e-2))
 
 
 def self_step_cost() -> LinearCost:
@@ -123,6 +127,7 @@ class StepCosts:
     t_sampled: float
     t_verify: float
     t_new: float
+    t_context: float = 0.0  # per thousand context tokens a logit row attends over
 
 
 @dataclass
@@ -137,7 +142,13 @@ class StepCostModel:
     _shapes_seen: OrderedDict = field(default_factory=OrderedDict)
 
     def observe_step(
-        self, prompt_tokens: int, logit_rows: int, sampled_rows: int, seconds: float, draft_tokens: int = 0
+        self,
+        prompt_tokens: int,
+        logit_rows: int,
+        sampled_rows: int,
+        seconds: float,
+        draft_tokens: int = 0,
+        context_read: float = 0.0,
     ) -> None:
         shape = (logit_rows, sampled_rows, draft_tokens)
         new_shape = shape not in self._shapes_seen
@@ -145,7 +156,9 @@ class StepCostModel:
         self._shapes_seen.move_to_end(shape)
         if len(self._shapes_seen) > MAX_SHAPES_REMEMBERED:
             self._shapes_seen.popitem(last=False)
-        self.step.observe((prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape), seconds)
+        self.step.observe(
+            (prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape, context_read / 1000), seconds
+        )
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
         self.self_step.observe((rows,), seconds)

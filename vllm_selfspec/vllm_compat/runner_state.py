@@ -29,6 +29,7 @@ class StepShape:
     logit_rows: int
     sampled_rows: int
     draft_tokens: int
+    context_read: int = 0  # context tokens the logit rows attend over, summed
 
 
 class StepView:
@@ -119,9 +120,18 @@ class StepView:
         rows = {r: 1 + len(spec.get(r, ())) for r in out.num_scheduled_tokens}
         logit_rows = sum(rows.values())
         sampled_rows = sum(n for r, n in rows.items() if self.samples(r))
+        index = self.batch.req_id_to_index
+        context_read = sum(n * int(self.batch.num_tokens_no_spec[index[r]]) for r, n in rows.items() if r in index)
         return StepShape(
-            max(out.total_num_scheduled_tokens - logit_rows, 0), logit_rows, sampled_rows, logit_rows - len(rows)
+            max(out.total_num_scheduled_tokens - logit_rows, 0),
+            logit_rows,
+            sampled_rows,
+            logit_rows - len(rows),
+            context_read,
         )
+
+    def context_length(self, row: int) -> int:
+        return int(self.batch.num_tokens_no_spec[row])
 
     def samples(self, req_id: str) -> bool:
         request = self.runner.requests.get(req_id)
