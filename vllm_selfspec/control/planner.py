@@ -2,11 +2,11 @@
 
 A plain step yields B tokens. Each added draft token at depth j, from a source whose tokens are
 accepted with probability a, adds a**j expected tokens at the price of c_i = t_row (+ t_sampled)
-for a lookup token, or c_i + e(m)/m per row for a self-draft (e(m): a self-draft step over m
-rows). Adding a token raises tokens per second exactly when its gain per second beats the
-current rate, so the steady plan takes the best ratios while they do, and is kept only if it
-beats plain decoding with verification's fixed cost paid. With nothing worth drafting the plan
-is plain decoding.
++ t_context x the row's context for a lookup token, or c_i + e(m)/m per row for a self-draft
+(e(m): a self-draft step over m rows). Adding a token raises tokens per second exactly when
+its gain per second beats the current rate, so the steady plan takes the best ratios while
+they do, and is kept only if it beats plain decoding with verification's fixed cost paid.
+With nothing worth drafting the plan is plain decoding.
 
 A margin. A draft token is taken only if its gain per second beats the rate by DRAFT_MARGIN. A
 plan that only breaks even by the estimates buys no tokens per second but makes every step
