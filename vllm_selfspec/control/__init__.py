@@ -43,16 +43,9 @@ class DraftController:
         self.planner = DraftPlanner(self.costs, self.acceptance)
 
     # What happened.
-    def observe_step(
-        self,
-        prompt_tokens: int,
-        logit_rows: int,
-        sampled_rows: int,
-        seconds: float,
-        draft_tokens: int = 0,
-        context_read: float = 0.0,
-    ) -> None:
-        self.costs.observe_step(prompt_tokens, logit_rows, sampled_rows, seconds, draft_tokens, context_read)
+    def observe_step(self, *args, **kwargs) -> None:
+        """What a target step computed, and its seconds (`StepCostModel.observe_step`)."""
+        self.costs.observe_step(*args, **kwargs)
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
         self.costs.observe_self_step(rows, seconds)
