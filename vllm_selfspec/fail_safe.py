@@ -76,7 +76,6 @@ class FailSafe:
     disabled: bool = False
     switch_off_wanted: bool = False  # this rank's faults reached a limit; `agree` makes it so everywhere
     steps_skipped: int = 0  # steps every rank ran without drafts because some rank failed
-    switch_offs: int = 0
     kinds_seen: set = field(default_factory=set)
     # The element-wise maximum of each rank's flags (one all-reduce); alone, the flags themselves.
     max_over_ranks: Callable[[list[int]], list[int]] = _alone
@@ -173,7 +172,6 @@ class FailSafe:
         if self.probation_until and self.step < self.probation_until:
             self.cool_down = min(2 * self.cool_down, MAX_COOL_DOWN_STEPS)
         self.disabled = True
-        self.switch_offs += 1
         self.probation_until = 0
         self.resume_at = self.step + self.cool_down
         logger.error(

@@ -50,11 +50,10 @@ DRAIN_AFTER_STEPS = 4
 
 @dataclass(frozen=True)
 class PreparedStep:
-    """What a step's rank-local part found: the step, per drafting row its budget, lookup draft
-    (with source) and offer, and this rank's plan."""
+    """What a step's rank-local part found: the step, per drafting row its lookup draft (with
+    source) and offer, and this rank's plan."""
 
     step: StepView
-    budgets: list[int]
     found: list[tuple[DraftSource, LookupDraft]]
     offers: list[RowOffer]
     plan_ints: list[int]  # this rank's plan, ready for the broadcast (`DraftPlan.as_ints`)
@@ -223,7 +222,7 @@ class SelfAdmgProposer:
             for row, budget, (source, draft) in zip(rows, budgets, found)
         ]
         plan = self._plan(offers, max(budgets, default=0), self._first_tokens(step))
-        return PreparedStep(step, budgets, found, offers, plan.as_ints())
+        return PreparedStep(step, found, offers, plan.as_ints())
 
     def _draft(self, prepared: PreparedStep, common_attn_metadata, warm_up: bool) -> list[list[int]]:
         """The part every rank runs alike: the shared plan, lookup drafts and self-drafts. Between
@@ -232,7 +231,8 @@ class SelfAdmgProposer:
         what is remembered to learn from later is guarded on its own."""
         step, found, offers = prepared.step, prepared.found, prepared.offers
         rows = step.rows
-        # Not `prepared.budgets`, which leave out the rank-local quarantine: rank 0's plan did.
+        # Alike on every rank: the rank-local quarantine is left out here, since rank 0's plan,
+        # which every rank follows, already left it out.
         budgets = [self._draft_budget(row.tokens_left) if row.may_draft else 0 for row in rows]
         # Rank 0's plan on every rank: each rank planned from its own step timings.
         shared = same_on_all_ranks(torch.tensor(prepared.plan_ints, device=self._device))

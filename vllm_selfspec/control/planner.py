@@ -158,30 +158,29 @@ class RowProtection:
 
     def __init__(self, t_plain: float, t_verify: float, trusted: list[bool]):
         self.t_plain, self.t_verify, self.trusted = t_plain, t_verify, trusted
+        self.drafted = [0] * len(trusted)  # tokens: exact, where seconds given back leave rounding
         self.own = [0.0] * len(trusted)
         self.credited = [0.0] * len(trusted)
-        self.undrafted = len(trusted)  # rows with no draft: each allows the same, the least
         self.without_draft = t_plain * ROW_SLACK / (1 - ROW_SLACK)
 
     def allowance(self, i: int) -> float:
         """How much longer than plain's the step may be for row i."""
         extra = self.t_plain * ((1 + self.credited[i]) / (1 - ROW_SLACK) - 1)
-        return extra + (self.own[i] + self.t_verify if self.own[i] else 0.0)
+        return extra + (self.own[i] + self.t_verify if self.drafted[i] else 0.0)
 
     def satisfied(self, added: float) -> bool:
         """Whether a step `added` seconds longer than plain's leaves every row its due (a row
         with a draft allows at least what one without allows)."""
-        if self.undrafted:
+        if not all(self.drafted):  # a row without a draft allows the same as any other, the least
             return added <= self.without_draft
         return all(added <= self.allowance(i) for i in range(len(self.own)))
 
     def take(self, rows: list[int], seconds_each: float, gains: list[float], sign: int = 1) -> None:
         """Rows take one more draft token each (`sign` -1: give it back)."""
         for i, gain in zip(rows, gains):
-            was_drafting = self.own[i] > 0
-            self.own[i] = max(self.own[i] + sign * seconds_each, 0.0)
+            self.drafted[i] += sign
+            self.own[i] += sign * seconds_each
             self.credited[i] += sign * gain * self.trusted[i]
-            self.undrafted += was_drafting - (self.own[i] > 0)
 
 
 @dataclass
