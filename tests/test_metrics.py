@@ -23,7 +23,7 @@ UNREADABLE = "vllm:self_admg_snapshots_unreadable_total"
 @pytest.fixture
 def logged(caplog, monkeypatch):
     """caplog, with vllm.selfspec's records at every level: vLLM's logging set-up (done once an
-    engine ran in this session) stops its loggers' records short of the root, where caplog listens."""
+    engine ran in this test process) stops its loggers' records short of the root, where caplog listens."""
     monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
     caplog.set_level(logging.DEBUG, logger="vllm.selfspec")
     return caplog
