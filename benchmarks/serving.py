@@ -19,7 +19,9 @@ from what they served before. Multi-turn: each MT-Bench conversation's first tur
 unmeasured, then its second turn, whose prompt holds the first answer as a chat client sends it;
 the measured requests are the second turns. Workloads: code (HumanEval, raw completion
 prompts), summarization (news articles), chat (IFBench instructions) and multi-turn (MT-Bench),
-the last three through the model's chat template.
+the last three through the model's chat template. Mixed workloads (code+chat, summarization+chat,
+repeated+chat; not run unless named) take two workloads' prompts in turn, "repeated" being a long
+raw prompt of one word: requests that gain from drafts beside requests that gain little.
 
 Writes to --out (default: a dated folder in the cache, outside the repository: benchmarks/output.py):
 raw/ (the JSON `vllm bench serve` saved, one file per run), workloads/ (the JSONL it was fed), the
@@ -52,7 +54,13 @@ from benchmarks.serve_load import VLLM, VllmServer, server_flags
 
 WARMUP_REQUESTS = 8
 # "own": the user's prompts (--prompts-file), to decide for their own workload (--decide).
-WORKLOADS = ("code", "summarization", "chat", "multiturn", "own")
+# "X+chat": X's prompts and chat's taken in turn, so that requests which gain from drafts and
+# requests which gain little share steps: what the controller must keep from costing the latter.
+# "repeated" is a long prompt of one word repeated, whose answer is drafted almost surely.
+UNMIXED = ("code", "summarization", "chat", "multiturn")
+MIXED = ("code+chat", "summarization+chat", "repeated+chat")
+WORKLOADS = (*UNMIXED, *MIXED, "own")
+REPEATED_WORDS = 1500  # words in a repeated prompt: a long context that each verified token reads
 MODES = {  # model, draft model for draft_model, prompts per load point, output tokens per request
     "quick": ("smollm2-135m", None, 12, 64),
     "full": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", 12, 128),
@@ -219,6 +227,11 @@ def first_prompts(workload: str, tokenizer, prompts_file: Path | None = None) ->
             raise SystemExit("the 'own' workload needs --prompts-file FILE.jsonl")
         lines = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
         return [line["prompt"] if "prompt" in line else chat_text(tokenizer, line["messages"]) for line in lines]
+    if workload in MIXED:
+        first, second = (first_prompts(part, tokenizer) for part in workload.split("+"))
+        return [prompt for pair in zip(first, second) for prompt in pair]
+    if workload == "repeated":
+        return repeated_prompts(len(assets.load_prompts("humaneval")))
     if workload == "code":
         return assets.load_prompts("humaneval")
     # (The news corpus repeats a few articles: a repeat would be drafted from its first answer.)
@@ -226,6 +239,13 @@ def first_prompts(workload: str, tokenizer, prompts_file: Path | None = None) ->
         dict.fromkeys(assets.load_prompts({"summarization": "news", "chat": "ifbench"}.get(workload, "mtbench")))
     )
     return [chat_text(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+
+
+def repeated_prompts(count: int) -> list[str]:
+    """Raw prompts of one word repeated about REPEATED_WORDS times, each prompt its own word and
+    length (no two alike, as every load point gets prompts of its own)."""
+    words = ("yes", "no", "ok", "go", "la", "ha", "up", "on", "so", "hi", "oh", "me", "we", "be", "do", "to")
+    return [" ".join([words[i % len(words)]] * (REPEATED_WORDS + i)) for i in range(count)]
 
 
 def warmup_prompts() -> list[str]:
@@ -470,7 +490,7 @@ def save_run_notes(run: Run, raw: Path, slug: str) -> None:
 
 
 # r<round>-<slot>-<server>-<workload>-<load>.json (folders written before servers had slots: no slot)
-RAW_NAME = re.compile(rf"r(\d+)-(?:(\d+)-)?(.+)-({'|'.join(WORKLOADS)})-(max|[\d.]+C)$")
+RAW_NAME = re.compile(rf"r(\d+)-(?:(\d+)-)?(.+)-({'|'.join(map(re.escape, WORKLOADS))})-(max|[\d.]+C)$")
 
 
 def runs_from_folder(out: Path) -> list[Run]:
@@ -910,7 +930,7 @@ def parse_args(argv=None):
         default=["ngram", "suffix", "draft_model", "self-admg-paper", "self-admg"],
         help="besides plain, which always runs first (draft_model only in full mode)",
     )
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS[:-1]))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(UNMIXED))
     parser.add_argument(
         "--prompts-file",
         type=Path,

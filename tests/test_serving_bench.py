@@ -538,3 +538,24 @@ def test_decide_runs_plain_against_self_admg_in_rounds_on_your_prompts(tmp_path)
             return "user: " + messages[0]["content"]
 
     assert first_prompts("own", Template(), mine) == ["def f(x):", "user: hi"]
+
+
+def test_mixed_workloads_take_two_workloads_prompts_in_turn_and_name_their_runs(tmp_path, monkeypatch):
+    from benchmarks import assets
+    from benchmarks.serving import RAW_NAME, REPEATED_WORDS, first_prompts, parse_args
+
+    monkeypatch.setattr(assets, "load_prompts", lambda name: [f"{name}{i}" for i in range(3)])
+
+    class Template:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "user: " + messages[0]["content"]
+
+    assert first_prompts("code+chat", Template()) == [
+        "humaneval0", "user: ifbench0", "humaneval1", "user: ifbench1", "humaneval2", "user: ifbench2"
+    ]  # fmt: skip
+    repeated = first_prompts("repeated+chat", Template())[::2]
+    assert len(set(repeated)) == 3 and all(len(set(p.split())) == 1 for p in repeated)
+    assert min(len(p.split()) for p in repeated) == REPEATED_WORDS
+    assert parse_args([]).workloads == ["code", "summarization", "chat", "multiturn"]  # mixed only when named
+    groups = RAW_NAME.match("r1-2-self-admg-repeated+chat-0.3C").groups()
+    assert groups == ("1", "2", "self-admg", "repeated+chat", "0.3C")
