@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Where does a request's first token wait under load: for the step in progress, or in its own?
 
 The engine admits a new prompt only at a step boundary, so a request's time to first token is

@@ -1,5 +1,7 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A wave of prompts sent at once into a server: how long the first tokens take, plain against
-self-admg (benchmarks/NOTES.md). A run at the unlimited rate opens with such a wave, and
+self-admg (benchmarks/NOTES.md, entry 32). A run at the unlimited rate opens with such a wave, and
 with a few dozen requests its slowest first token is the run's p99.
 
 Each server starts and warms up as `benchmarks.serving` does, then gets --waves waves of

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """What one lookup costs, worst case against typical: contexts and histories a hostile prompt can
 send (one repeated token, a short cycle, two symbols at random) beside ordinary ones (random
 tokens, Zipf-distributed text-like tokens), up to the longest context a model serves. No engine:

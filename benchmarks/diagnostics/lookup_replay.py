@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Do self-admg's lookup drafts accept as many tokens as vLLM's `suffix` on the same requests?
 
 Replays what a serving run served, teacher-forced, through both lookup rules with nothing else

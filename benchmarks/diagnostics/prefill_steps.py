@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Is a method's prefill step slower than plain's, or was its whole server slower?
 
 Reads a serving results folder (benchmarks.serving run with --log-steps, so that every server

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """How good is ADMG's choice of sublayers? Draft/target agreement against the share of weight
 bytes skipped, for three selections at equal byte budgets:
 

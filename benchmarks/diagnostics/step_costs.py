@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """What does a verification step cost, by what it carries? Checks the controller's cost model.
 
 Runs one batch with plain decoding and one with self-admg (same prompts), reads the steps the
@@ -27,7 +29,7 @@ def main(argv=None) -> None:
 
     from benchmarks import assets
     from benchmarks.engine import bind_worker_cores, build_llm, choose_dtype, close_llm
-    from vllm_selfspec.report import proposer_report
+    from vllm_selfspec.worker_extension import proposer_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")

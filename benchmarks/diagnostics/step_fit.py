@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Does the controller's step-cost fit hold under open-loop load? Replays a server's timed steps.
 
 `benchmarks.serving` saves, for each self-admg run, the steps as the server's controller timed

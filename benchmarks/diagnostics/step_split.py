@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Is a method's time per output token set by its steps' length or by the tokens each step emits?
 
 Reads a serving results folder (benchmarks.serving) and, for every run, takes the requests that

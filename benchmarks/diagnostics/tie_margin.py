@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Is a temperature-0 mismatch a near-tie? Plain decoding's top-2 log-probabilities at a token.
 
 Arguments are `prompt@token` pairs, as the benchmark's lossless column prints them (the
