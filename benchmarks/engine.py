@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The one way the lab builds a vLLM engine: tests, the demo, the benchmark harness and the
 diagnostics all call `build_llm`, so model names, the dtype default and shutdown agree.
 
@@ -164,3 +166,13 @@ def engine(model: str | os.PathLike[str], **engine_kwargs) -> Iterator:
         yield llm
     finally:
         close_llm(llm)
+
+
+def spec_decode_counters(llm) -> dict[str, float]:
+    """vLLM's own spec-decode counters of an `LLM` built with disable_log_stats=False:
+    num_drafts, num_draft_tokens, num_accepted_tokens (names without the vllm: prefix)."""
+    return {
+        m.name.removeprefix("vllm:spec_decode_"): m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")
+    }

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A served request beside a hostile one: does a prompt of one repeated token slow everyone else?
 
 Lookup runs for every row every step, and a context of one token repeated is its worst case

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Where a benchmark or diagnostic writes its run unless `--out` says otherwise: a folder of its
 own under `results/` in the lab's cache (``$VLLM_SELFSPEC_CACHE``, else ``~/.cache/vllm-selfspec``,
 the same cache the models and prompt sets are fetched into), never inside the repository, so that

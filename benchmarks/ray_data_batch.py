@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Offline batch inference over several workers with Ray Data, self-admg in every replica.
 
     .venv/bin/python -m benchmarks.ray_data_batch --workers 2 --prompts 32

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Benchmark matrix: self-admg beside plain decoding and vLLM's ngram, suffix and draft_model.
 
     .venv/bin/python -m benchmarks.run --mode quick     # SmolLM2-135M, a few minutes
@@ -226,7 +228,7 @@ class Cell:
 
 
 def proposer_counters(llm) -> dict:
-    from vllm_selfspec.report import proposer_report
+    from vllm_selfspec.worker_extension import proposer_report
 
     return llm.collective_rpc(proposer_report)[0]
 
@@ -234,7 +236,7 @@ def proposer_counters(llm) -> dict:
 def run_cell(llm, method, workload, prompts, batch, temperature, max_tokens, is_admg, round=0) -> Cell:
     from vllm import SamplingParams
 
-    from vllm_selfspec.report import spec_decode_counters as spec_counters
+    from benchmarks.engine import spec_decode_counters as spec_counters
 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     before, report_before = spec_counters(llm), proposer_counters(llm) if is_admg else {}

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Load test of `vllm serve`: the same requests against a plain server and a self-admg server,
 one server at a time, side by side in one run.
 

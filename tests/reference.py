@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Independent computations to test against: the ADMG statistic with plain transformers (no vLLM),
 and the lookup rule in numpy."""
 

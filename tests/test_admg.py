@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The ADMG rules and the option parser: pure functions, no engine."""
 
 import math

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Unit tests of benchmarks.assets on small fake wheels built in tmp_path: no network, no model."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The benchmark harness: its quick path on the tiny model writes the table with every column,
 and its lossless check passes for exact methods and flags a mismatch loudly."""
 
@@ -117,6 +119,7 @@ def quick_run(tiny_model_path, tmp_path_factory):
     return out
 
 
+@pytest.mark.engine
 def test_quick_run_writes_every_column_and_checks_losslessness(quick_run):
     for name in ("environment.json", "results.json", "results.csv", "table.md", "speedup.png"):
         assert (quick_run / name).exists(), name
@@ -154,6 +157,7 @@ def test_quick_run_writes_every_column_and_checks_losslessness(quick_run):
     assert env["vllm"].startswith("0.32.0") and env["cpus"]
 
 
+@pytest.mark.engine
 def test_sequential_run_restarts_engines_per_method(tiny_model_path, tmp_path):
     bench.main(
         [

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The draft controller and lookup drafts: pure functions, no engine."""
 
 import dataclasses

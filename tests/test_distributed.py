@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Past one machine, as far as this one can test it: tensor parallelism (masks and drafts
 identical on every rank), Ray Data batch inference with a self-admg engine in every replica on
 a local Ray cluster, and a clear refusal of vLLM's Ray executor, which vLLM 0.32's CPU build
@@ -10,7 +12,7 @@ from vllm import SamplingParams
 import benchmarks
 from benchmarks import ray_data_batch
 from vllm_selfspec.fail_safe import INJECT_ENV
-from vllm_selfspec.report import proposer_report
+from vllm_selfspec.worker_extension import proposer_report
 
 from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
 

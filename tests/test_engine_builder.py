@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The lab's engine builder without an engine: the native dtype choice from a CPU's flags, and
 the arguments build_llm hands vLLM."""
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A fault in drafting costs that step's drafts, never a request: the pure rule, and faults
 injected at each stage of a real engine's step (`pytest -k injected_fault` runs the latter)."""
 
@@ -240,7 +242,7 @@ def test_injected_fault_every_step_switches_drafting_off_and_serves_on(
 
 
 # The hooks the plugin adds to vLLM's loop, on the runner's side and on the scheduler's.
-HOOKS = ("update_states", "request_removed", "sample", "new_request", "schedule")
+HOOKS = ("update_states", "request_removed", "sample", "tenants", "schedule")
 
 
 @pytest.mark.engine
@@ -252,7 +254,7 @@ def test_a_fault_in_any_hook_keeps_the_engine_up_and_its_output_plain(
     faults (the scheduler's in the engine process, where its worker also runs)."""
     ids, report = run_with_faults(tiny_model_path, tiny_prompts, f"{hook}@every", monkeypatch)
     assert ids == plain_ids
-    if hook in ("new_request", "schedule"):
+    if hook in ("tenants", "schedule"):
         assert report["scheduler_faults"] > 0
     else:
         assert any(f"injected fault at {hook}" in kind for kind in report["fault_kinds"]), report["fault_kinds"]

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """What keeps a new prompt's first token as early as under plain decoding in a server: the
 scheduler withholds drafts in a step about to prefill, and the worker knows when a prompt will
 wait for the step it plans (the planner's cap is tested in test_controller.py)."""
@@ -9,8 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens, SchedulerNote, note_of
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
-from vllm_selfspec.vllm_compat.scheduler_queue import ATTRIBUTE, schedule_for_first_tokens, waiting_requests
+from vllm_selfspec.vllm_compat.scheduler_queue import schedule_for_first_tokens
+
+
+def waiting(output) -> int:
+    return note_of(output).waiting_requests
 
 
 class FakeScheduler:
@@ -28,6 +35,7 @@ class FakeScheduler:
         self._pause_state = PauseState.PAUSED_NEW if paused else PauseState.UNPAUSED
         self.admits = True
         self.drafts_scheduled = None
+        self.requests = {}  # by id: what the scheduler holds of each request (its cache_salt)
 
     def get_request_counts(self):
         return len(self.running), self.waiting
@@ -38,7 +46,8 @@ class FakeScheduler:
         admitted = self.waiting if self.admits else 0
         self.waiting -= admitted
         return SimpleNamespace(
-            scheduled_new_reqs=[object()] * admitted, scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())
+            scheduled_new_reqs=[SimpleNamespace(req_id=f"new-{i}") for i in range(admitted)],
+            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()),
         )
 
     def step(self):
@@ -70,12 +79,12 @@ def test_a_queue_that_cannot_move_stops_withholding_until_the_counts_change():
     s = FakeScheduler(waiting=2)
     s.admits = False
     withheld, output = s.step()
-    assert withheld and getattr(output, ATTRIBUTE) == 0
+    assert withheld and waiting(output) == 0
     for _ in range(4):  # same counts: drafts verified, and the workers hear of no queue
         for r in s.running:
             r.spec_token_ids = [5, 6]
         withheld, output = s.step()
-        assert withheld is False and getattr(output, ATTRIBUTE) == 0
+        assert withheld is False and waiting(output) == 0
     s.waiting += 1  # a new arrival: try again
     for r in s.running:
         r.spec_token_ids = [5, 6]
@@ -84,22 +93,39 @@ def test_a_queue_that_cannot_move_stops_withholding_until_the_counts_change():
 
 def test_the_workers_hear_of_admissible_requests_left_waiting():
     s = FakeScheduler(waiting=0)
-    assert getattr(s.step()[1], ATTRIBUTE) == 0
+    assert waiting(s.step()[1]) == 0
     s = FakeScheduler(waiting=3, slots=8)
     s.vllm_schedule = lambda: SimpleNamespace(  # admits one of three
-        scheduled_new_reqs=[object()], scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())
+        scheduled_new_reqs=[SimpleNamespace(req_id="new")], scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())
     )
     s.waiting = 3
     output = schedule_for_first_tokens(s, lambda: (setattr(s, "waiting", 2), s.vllm_schedule())[1])
-    assert getattr(output, ATTRIBUTE) == 2
-    assert waiting_requests(SimpleNamespace()) == 0
+    assert waiting(output) == 2
+    assert note_of(SimpleNamespace()) == SchedulerNote()  # a step without a note: nobody waits
+
+
+def test_the_note_carries_each_new_requests_tenant_as_a_digest_and_only_its_own_version_is_read():
+    from vllm_selfspec.first_tokens import NOTE_ATTRIBUTE, salt_digest
+
+    s = FakeScheduler(waiting=3)
+    s.requests = {
+        "new-0": SimpleNamespace(cache_salt="alice"),
+        "new-1": SimpleNamespace(cache_salt=None),
+        "new-2": SimpleNamespace(),  # a vLLM without cache_salt: the tenant stays unknown
+    }
+    note = note_of(s.step()[1])
+    assert note.tenants == (("new-0", salt_digest("alice")), ("new-1", None))
+    assert len(salt_digest("x" * 100_000)) == 16
+    output = SimpleNamespace()
+    setattr(output, NOTE_ATTRIBUTE, SimpleNamespace(version=2, waiting_requests=5))  # another version
+    assert note_of(output) == SchedulerNote()
 
 
 def test_a_fault_in_the_rule_never_reaches_vllms_scheduler():
     s = FakeScheduler(waiting=2)
     del s.deferred_waiting  # a vLLM without the attribute
     withheld, output = s.step()
-    assert not withheld and getattr(output, ATTRIBUTE) == 0
+    assert not withheld and waiting(output) == 0
 
 
 def test_the_scheduler_attributes_the_rule_reads_are_vllms():
@@ -143,18 +169,17 @@ def test_rows_that_end_with_the_step_are_counted():
 
 
 def _first_tokens_over(views, closed_batches=False):
-    from vllm_selfspec.control.refills import Refills
-    from vllm_selfspec.proposer import SelfAdmgProposer
-    from vllm_selfspec.report import ProposerCounters
-
-    proposer = SimpleNamespace(
-        closed_batches=closed_batches, _requests_ended=0, refills=Refills(), _steps_run=0, counters=ProposerCounters()
-    )
-    states = []
-    for view in views:
-        proposer._steps_run += 1
-        states.append(SelfAdmgProposer._first_tokens(proposer, view))
-    return states
+    policy = FirstTokenPolicy()
+    return [
+        policy.next_step(
+            step=step,
+            note=SchedulerNote(waiting_requests=view.waiting_requests, closed_batches=closed_batches),
+            ended=view.finishing_rows,
+            admitted=view.admitted_requests,
+            engine_was_busy=view.engine_was_busy,
+        )
+        for step, view in enumerate(views, start=1)
+    ]
 
 
 def _view(waiting=0, ended=0, admitted=0, busy=True):
@@ -167,8 +192,6 @@ ENDING, QUEUED, QUIET, ADMITTING = _view(ended=1), _view(waiting=2), _view(), _v
 
 
 def test_a_server_expects_a_prompt_for_two_steps_after_a_request_ends_and_an_offline_batch_never():
-    from vllm_selfspec.proposer import FirstTokens
-
     E, Q, N = FirstTokens.EXPECTED, FirstTokens.QUEUED, FirstTokens.NONE_WAIT
     assert _first_tokens_over([QUIET, ENDING, QUIET, QUIET, QUEUED]) == [N, E, E, N, Q]
     assert _first_tokens_over([QUIET, ENDING, QUIET, QUIET, QUEUED], closed_batches=True) == [N] * 5
@@ -177,8 +200,6 @@ def test_a_server_expects_a_prompt_for_two_steps_after_a_request_ends_and_an_off
 def test_ends_nobody_refills_stop_capping_the_steps_after_them_and_a_refill_brings_it_back():
     """The last requests of a run (or arrivals that do not follow departures) leave slots empty:
     capping the steps after their ends would only cost drafts where drafting pays most."""
-    from vllm_selfspec.proposer import FirstTokens
-
     E, N = FirstTokens.EXPECTED, FirstTokens.NONE_WAIT
     refilled = [ENDING, QUIET, ADMITTING] * 4  # a client sends its next prompt as one ends
     assert _first_tokens_over(refilled)[-3:] == [E, E, N]
@@ -192,7 +213,7 @@ def test_ends_nobody_refills_stop_capping_the_steps_after_them_and_a_refill_brin
 
 
 def _share_after(views) -> float:
-    from vllm_selfspec.control.refills import Refills
+    from vllm_selfspec.first_tokens import Refills
 
     refills = Refills()
     for step, view in enumerate(views, start=1):
@@ -203,7 +224,7 @@ def _share_after(views) -> float:
 
 
 def test_an_end_is_refilled_by_an_admission_within_three_steps_after_it():
-    from vllm_selfspec.control.refills import REFILL_WEIGHT
+    from vllm_selfspec.first_tokens import REFILL_WEIGHT
 
     missed = 1 - REFILL_WEIGHT
     assert _share_after([ENDING, QUIET, ADMITTING, QUIET, QUIET]) == 1.0
@@ -218,7 +239,7 @@ def test_an_end_is_refilled_by_an_admission_within_three_steps_after_it():
 
 
 def test_ends_waiting_for_a_refill_are_bounded_by_the_window():
-    from vllm_selfspec.control.refills import REFILL_WINDOW_STEPS, Refills
+    from vllm_selfspec.first_tokens import REFILL_WINDOW_STEPS, Refills
 
     refills = Refills()
     for step in range(1, 1000):

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Every spelling of self-admg reaches vLLM as our proposer, and bad input fails early with a
 message that names the option and what is allowed. No engine is started here."""
 

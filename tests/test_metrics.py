@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Self-admg's counters on /metrics (`vllm_selfspec.metrics`), without an engine: one series per
 engine and rank, the newest file of each, files that are not snapshots skipped and counted, a
 page that never fails for self-admg's sake, and a server that starts without the series when they
@@ -14,8 +16,15 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_selfspec import metrics
-from vllm_selfspec.metrics import METRICS, METRICS_DIR_ENV, PREFIX, MetricsPublisher, SelfAdmgCollector
-from vllm_selfspec.report import ProposerCounters, metrics_snapshot
+from vllm_selfspec.counters import ProposerCounters
+from vllm_selfspec.metrics import (
+    METRICS,
+    METRICS_DIR_ENV,
+    PREFIX,
+    MetricsPublisher,
+    SelfAdmgCollector,
+    metrics_snapshot,
+)
 
 UNREADABLE = "vllm:self_admg_snapshots_unreadable_total"
 
@@ -53,7 +62,7 @@ def fake_proposer(seed: int) -> SimpleNamespace:
         fail_safe=fail_safe,
         self_drafter=SimpleNamespace(masks=masks),
         scheduler_faults=seed + 4,
-        quarantine=SimpleNamespace(requests={f"request-{i}" for i in range(seed + 5)}),
+        lookup=SimpleNamespace(quarantine=SimpleNamespace(requests={f"request-{i}" for i in range(seed + 5)})),
     )
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """What a vLLM user installs, and the fixes offered to vLLM itself. The wheel holds the runtime
 package and its plugin entry point, nothing of the lab, the tests or the set-up scripts, and
 requires only what the runtime package imports; each patch in patches/ applies to the installed

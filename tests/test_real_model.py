@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The real SmolLM2-135M-Instruct (fetched from its PyPI package by benchmarks.assets) on
 HumanEval prompts: greedy output identical to plain decoding in float32; in bfloat16, where
 even vLLM's own methods round differently when they verify several tokens in one pass, every
@@ -9,6 +11,8 @@ from vllm import SamplingParams
 from benchmarks import assets
 
 from conftest import SELF_DRAFTS_ONLY, close_llm, make_llm, spec_counters, token_ids
+
+pytestmark = [pytest.mark.engine, pytest.mark.real_model]
 
 NUM_PROMPTS, NUM_TOKENS = 20, 64
 SELF_ADMG = {"method": "self-admg", "num_speculative_tokens": 4}

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """At temperature 1 the output distribution with self-admg equals plain decoding's, and the
 same test catches vLLM 0.32's CPU rejection-sampler bug when our patch is left out."""
 
@@ -61,6 +63,7 @@ def samples(plain_tiny, tiny_model_path, tiny_prompt_ids, mixed_options):
     return result
 
 
+@pytest.mark.engine
 def test_temperature_one_matches_plain_decoding(samples):
     counters = samples["self-admg counters"]
     # Drafts were made for nearly every step and the sampler both accepted and rejected some.
@@ -75,6 +78,7 @@ def test_temperature_one_matches_plain_decoding(samples):
     assert same_distribution_p_value(pairs(samples["plain"]), pairs(samples["self-admg"])) > 1e-3
 
 
+@pytest.mark.engine
 def test_the_same_test_fails_without_the_cpu_sampler_patch(samples):
     broken = samples["self-admg, unpatched CPU sampler"]
     p_values = [same_distribution_p_value(samples["plain"][:, i], broken[:, i]) for i in (1, 2, 3)]
@@ -120,6 +124,7 @@ def admg_always_drafting(tiny_model_path, mixed_options):
     close_llm(llm)
 
 
+@pytest.mark.engine
 def test_min_p_is_served_with_plain_decodings_distribution(plain_tiny, admg_always_drafting, tiny_prompt_ids):
     """vLLM refuses min_p with any speculative method; self-admg serves it, in a batch whose
     other rows draft, with the same distribution as plain decoding."""
@@ -143,6 +148,7 @@ def test_min_p_is_served_with_plain_decodings_distribution(plain_tiny, admg_alwa
     assert min(same_distribution_p_value(plain[:, i], plain_without[:, i]) for i in range(1, NUM_TOKENS)) < 1e-6
 
 
+@pytest.mark.engine
 def test_logit_bias_is_served_exactly(plain_tiny, admg_always_drafting, tiny_prompts):
     from conftest import token_ids
 

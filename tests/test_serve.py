@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """`vllm serve` with self-admg, end to end through the official openai client on loopback: a
 plain server and a self-admg server run side by side on the tiny model, and every greedy
 response must be identical. Also: streaming, chat, stop strings, max_tokens, logprobs, seeds,

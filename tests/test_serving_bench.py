@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The serving benchmark's own logic (benchmarks/serving.py): load points, prompt slices, the
 `vllm bench serve` command, the ratios in its table, and the replay of a server's timed steps
 (benchmarks/diagnostics/step_fit.py). No server is started here."""
@@ -534,10 +536,28 @@ def test_decide_runs_plain_against_self_admg_in_rounds_on_your_prompts(tmp_path)
     assert parse_args(["--decide", "--rounds", "5", "--load", "0.3"]).rounds == 5
 
     class Template:
+        chat_template = "user: {{ content }}"
+
         def apply_chat_template(self, messages, tokenize, add_generation_prompt):
             return "user: " + messages[0]["content"]
 
     assert first_prompts("own", Template(), mine) == ["def f(x):", "user: hi"]
+    with pytest.raises(SystemExit, match='line 2: "messages" needs a chat template'):
+        first_prompts("own", SimpleNamespace(chat_template=None), mine)
+    mine.write_text('{"prompt": "ok"}\n\n{"text": "no"}\n')
+    with pytest.raises(SystemExit, match='line 3: needs "prompt"'):
+        first_prompts("own", Template(), mine)
+    args = parse_args(["--decide", "--model", "/models/mine", "--prompts-file", str(mine)])
+    assert (args.model, args.draft, args.methods) == ("/models/mine", None, ["self-admg"])
+
+
+def test_the_model_is_checked_and_its_length_capped_before_any_server_starts(tmp_path, tiny_model_path):
+    from benchmarks.serving import load_model_facts
+
+    tokenizer, max_model_len = load_model_facts(str(tiny_model_path), 100_000)
+    assert tokenizer is not None and max_model_len < 100_000
+    with pytest.raises(SystemExit, match="--model .*nowhere: cannot load"):
+        load_model_facts(str(tmp_path / "nowhere"), 4096)
 
 
 def test_mixed_workloads_take_two_workloads_prompts_in_turn_and_name_their_runs(tmp_path, monkeypatch):

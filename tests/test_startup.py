@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Start-up is guarded: a failure while patching vLLM rolls back what was patched and refuses only
 self-admg, and the proposer checks the version and the refusals again when the engine builds it,
 so no spelling of the method gets around them. No engine is started here."""
@@ -104,15 +106,15 @@ def test_the_proposers_class_path_is_checked_like_self_admg(tiny_model_path):
 def test_the_proposer_refuses_to_run_without_its_patches_or_its_front_door(tiny_model_path, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_selfspec import plugin
     from vllm_selfspec.proposer import SelfAdmgProposer
+    from vllm_selfspec.vllm_compat import patching
 
     engine = dict(model=str(tiny_model_path), dtype="float32", max_model_len=512)
     config = EngineArgs(**engine, speculative_config={"method": "self-admg"}).create_engine_config()
-    monkeypatch.setattr(plugin, "patched", False)
+    monkeypatch.setattr(patching, "_complete", False)
     with pytest.raises(SelfAdmgConfigError, match="patches of vLLM, which are not in place"):
         SelfAdmgProposer(config)
-    monkeypatch.setattr(plugin, "patched", True)
+    monkeypatch.setattr(patching, "_complete", True)
     # vLLM's own custom_class with our class, the front door bypassed: no KV lookahead, no options.
     config.additional_config.pop("self_admg")
     with pytest.raises(SelfAdmgConfigError, match="got no checked options"):

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Lookup history stays within a tenant: a request drafts only from earlier outputs of
 requests with its own `cache_salt`; requests without one draft from their own context only,
 unless the operator opts in to one shared pool; an output a stop string ended is never kept;
@@ -93,7 +95,7 @@ def pool_lengths(llm, tenants) -> dict:
     generate(llm, [1, 2, 3], salt="flush", max_tokens=1)
 
     def lengths(worker, tenants=tuple(tenants)):  # nested, so pickled by value into the worker
-        history = worker.model_runner.drafter.history
+        history = worker.model_runner.drafter.lookup.history
         return {tenant: len(history.pool(tenant) or ()) for tenant in tenants}
 
     return llm.collective_rpc(lengths)[0]

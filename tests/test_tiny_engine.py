@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """self-admg end to end on a tiny random Llama in float32: exact output, positions and KV
 sharing (skip-nothing drafts are all accepted), per-sequence masks, statistics against
 transformers, prefix caching, chunked prefill, preemption, aborts, and no extra KV cache."""
@@ -8,8 +10,8 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 
+from vllm_selfspec.counters import prompt_key
 from vllm_selfspec.options import SelfAdmgOptions
-from vllm_selfspec.report import prompt_key
 
 from conftest import (
     SELF_DRAFTS_ONLY,
@@ -21,6 +23,8 @@ from conftest import (
     token_ids,
 )
 from reference import hf_similarities
+
+pytestmark = pytest.mark.engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 # Self-drafts that skip no sublayer and never exit early: every draft token must be accepted.

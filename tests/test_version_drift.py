@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """On a vLLM version the plugin was not written for, plain vLLM runs as if the plugin were
 absent, and only a request for self-admg is refused, at start-up, naming the supported version.
 The version is faked in one process that holds the whole engine (no engine subprocesses)."""

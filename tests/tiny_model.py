@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A tiny Llama with random weights and a tokenizer trained on the spot: no hub, no download."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """vllm-selfspec: self-speculative decoding with an adaptive draft model ("self-admg") for vLLM.
 
 Install it next to vLLM 0.32 and ask for the method by name:
@@ -7,11 +9,14 @@ Install it next to vLLM 0.32 and ask for the method by name:
 
 vLLM loads the plugin by itself (entry point `vllm.general_plugins`, `plugin.register`); the
 options are in `vllm_selfspec.options`. The package's parts:
-- proposer: the step loop (learn, offer lookup drafts, plan, self-draft, return drafts);
+- proposer: the step loop (learn, offer lookup drafts, plan, self-draft, return drafts), with
+  learning (what a step taught), row_lookup (per request: tenant, quarantine, history) and
+  first_tokens (the scheduler's note to the workers, and the first-token rule);
 - self_draft, residual_stream, admg: drafting with the target's own layers under skip masks;
 - lookup: drafts from the context and earlier outputs;
 - control: step costs, acceptance and the plan of how much to draft;
-- report: counters and the server's state endpoint;
+- fail_safe: a fault in drafting costs a step's drafts on every rank alike, never a request;
+- counters, metrics, worker_extension: what the proposer did, for operators and the lab;
 - vllm_compat: everything that knows vLLM's internals, and every patch.
 """
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The Adaptive Draft Model Generator (ADMG): per-sequence statistics in, skip masks out.
 
 Pure functions, no vLLM. The statistic (Metel et al., "Draft on the Fly", EMNLP Findings 2024)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A fault in drafting costs that step's drafts, on every rank alike, never a request.
 
 Drafting is an optimisation: `FailSafe.call` runs one proposer step and, if anything in it
@@ -57,7 +59,7 @@ MAX_KINDS_REMEMBERED = 64  # distinct fault messages kept (for the first-of-kind
 MAX_PROMPTS_QUARANTINED = 1024
 INJECT_ENV = "VLLM_SELFSPEC_INJECT_FAULT"
 # The proposer's stages, then the hooks the plugin adds to vLLM's loop (runner and scheduler).
-STAGES = ("lookup", "plan", "probe", "draft", "update_states", "request_removed", "sample", "new_request", "schedule")
+STAGES = ("lookup", "plan", "probe", "draft", "update_states", "request_removed", "sample", "tenants", "schedule")
 LOCAL_STAGES = ("lookup", "plan")  # before the ranks' agreement
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Lookup drafts: continue the context the way its earlier occurrences continued.
 
 Code and summaries copy from their context (identifiers, quoted sentences), and answers to
@@ -23,7 +25,6 @@ earlier occurrence says 1/2 for a copied sentence and for a code fragment alike)
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import numba
 import numpy as np
 
 from vllm_selfspec.control.acceptance import DraftSource
+from vllm_selfspec.first_tokens import salt_digest
 
 SEPARATOR = -1  # between outputs in a history: no continuation crosses it
 
@@ -223,11 +225,6 @@ class OutputHistory:
         return cut
 
 
-def salt_digest(salt: str) -> bytes:
-    """A fixed-size key for a cache_salt of any length."""
-    return hashlib.blake2b(str(salt).encode(), digest_size=16).digest()
-
-
 # A request whose tenant is not known: it neither drafts from any pool nor adds to one (fail
 # closed: an unknown tenant is nobody's, not the shared pool's).
 UNKNOWN_TENANT = object()
@@ -269,9 +266,9 @@ class TenantHistories:
         return len(self.newcomers) + len(self.returning)
 
     def key(self, tenant):
-        """The pool's key for a tenant: the digest of its salt (bytes, as the scheduler sends
-        it: `request_tenant`; a salt given as a string is digested here), None for the shared
-        unsalted pool, or `_NO_POOL`."""
+        """The pool's key for a tenant: the digest of its salt (bytes, as the scheduler's note
+        carries it: `first_tokens.SchedulerNote`; a salt given as a string is digested here),
+        None for the shared unsalted pool, or `_NO_POOL`."""
         if tenant is UNKNOWN_TENANT or (tenant is None and not self.share_unsalted):
             return _NO_POOL
         if tenant is None or isinstance(tenant, bytes):

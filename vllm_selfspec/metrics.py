@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Self-admg's counters on vLLM's Prometheus `/metrics`, for operators, without dev mode.
 
 The proposer runs in the workers, and vLLM serves `/metrics` from its API server process. When
@@ -273,3 +275,28 @@ def _expose_directory() -> str:
         raise
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return directory
+
+
+def metrics_snapshot(drafter) -> dict:
+    """What operators watch of a worker's proposer (`vllm_selfspec.metrics`): counters and
+    switches, no request ids and nothing of any request's content."""
+    counters, fail_safe = drafter.counters, drafter.fail_safe
+    return {
+        "faults": fail_safe.faults,
+        "drafting_disabled": int(fail_safe.disabled),
+        "steps_skipped_for_faults": fail_safe.steps_skipped,
+        "draft_tokens": {
+            "self": counters.draft_tokens,
+            "context": counters.context_tokens,
+            "history": counters.history_tokens,
+        },
+        "lookup_tokens_accepted": counters.lookup_accepted,
+        "draft_tokens_withheld": counters.draft_tokens_withheld,
+        "probes": counters.prompts_measured,
+        "probe_seconds": counters.probe_seconds,
+        "proposer_steps": counters.propose_calls,
+        "proposer_seconds": counters.propose_seconds,
+        "requests_holding_state": len(drafter.self_drafter.masks) if drafter.self_drafter is not None else 0,
+        "scheduler_faults": drafter.scheduler_faults,
+        "requests_quarantined": len(drafter.lookup.quarantine.requests),
+    }

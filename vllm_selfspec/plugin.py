@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """vLLM general plugin: vLLM calls `register()` once in every process it starts (front end,
 engine core, workers) through the `vllm.general_plugins` entry point.
 
@@ -10,20 +12,17 @@ import logging
 logger = logging.getLogger("vllm.selfspec")
 
 _registered = False
-# Whether every patch is in place in this process: the proposer refuses to run without them (a
-# self-draft without the scheduler's KV lookahead would write into blocks it does not own).
-patched = False
 
 
 def register() -> None:
-    global _registered, patched
+    global _registered
     if _registered:
         return
     _registered = True
     try:
         from vllm_selfspec.vllm_compat import apply_patches
 
-        patched = apply_patches()
+        apply_patches()
     except Exception as err:  # a plugin must never take plain vLLM down
         _roll_back()
         logger.warning(
@@ -52,5 +51,5 @@ def _refuse_self_admg(message: str) -> None:
         from vllm_selfspec.vllm_compat import front_door
 
         front_door.refuse_self_admg(message)
-    except Exception as err:  # even the refusal failed: the proposer still refuses (`patched`)
+    except Exception as err:  # even the refusal failed: the proposer still refuses (`patching.complete`)
         logger.warning("vllm-selfspec could not install its refusal of self-admg either: %s", err)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The target model seen as a residual stream: embed -> (attention, MLP) x L -> norm -> logits.
 
 One adapter serves every architecture in `SUPPORTED_ARCHITECTURES`: vLLM's Llama, Mistral,

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Drafting with the target model itself: one probe per prompt, then masked greedy steps.
 
 - Probe: the first time a row self-drafts, one eager pass over its prompt's last `stats_window`
@@ -129,11 +131,12 @@ class SelfDrafter:
         return time.perf_counter() - start
 
     def draft(
-        self, step: StepView, forward: DraftForward, rows: list[int], budgets: np.ndarray, drafts: list[list[int]]
+        self, step: StepView, forward: DraftForward, rows: list[int], budgets: list[int], drafts: list[list[int]]
     ) -> DraftRun:
         """Greedy draft tokens for `rows` (probed already) under their masks, up to `budgets`,
         appended to `drafts[row]`."""
-        return self._draft(step, forward, rows, [self.masks[step.req_ids[r]] for r in rows], budgets, drafts)
+        masks = [self.masks[step.req_ids[r]] for r in rows]
+        return self._draft(step, forward, rows, masks, np.asarray(budgets, dtype=np.int64), drafts)
 
     def _draft(
         self,

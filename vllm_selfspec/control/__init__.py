@@ -1,14 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """How much to draft, from measured costs and acceptance: pure arithmetic, no vLLM.
 
-Five parts, each unit-tested (in tests/test_controller.py unless it says):
+Four parts, each unit-tested in tests/test_controller.py:
 - `step_costs`: what a target step, a self-draft step and a probe cost (fitted online);
 - `acceptance`: how likely a draft token is to be accepted (per source, request, lookup bin);
 - `planner`: from both, how many tokens each row drafts this step, and from which source;
-- `lookup_gate`: whether looking up, paid every step before any plan, saves what it costs;
-- `refills` (tests/test_first_tokens.py): whether a request's end brings a prompt that waits,
-  which the proposer keeps itself.
+- `lookup_gate`: whether looking up, paid every step before any plan, saves what it costs.
 
-`DraftController` holds the first four for the proposer, which tells it what happened
+`DraftController` holds the four for the proposer, which tells it what happened
 (`observe_*`) and asks it, each step, for a `DraftPlan`.
 """
 

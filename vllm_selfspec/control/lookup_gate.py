@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Whether looking up pays for itself.
 
 Every row that may draft looks up every step, before any plan, so the lookup's time is paid

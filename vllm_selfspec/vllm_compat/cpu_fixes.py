@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Fixes for bugs of vLLM 0.32's CPU build that speculative decoding runs into. Each is
 applied only where the bug is (the CPU platform, no Triton); remove each when vLLM fixes it.
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Eager forwards of the target over a sub-batch of this step's rows, in vLLM 0.32's terms.
 
 The probe and the draft steps run the target's own modules outside its compiled graph. vLLM's

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The `self-admg` method name in every vLLM spelling, checked before the engine starts.
 
 vLLM 0.32's `SpeculativeConfig` accepts only its own methods and keys (pydantic,
@@ -126,15 +128,15 @@ def refusals_of(vllm_config) -> list[str]:
     start-up gets around the front door's checks."""
     from types import SimpleNamespace
 
-    from vllm_selfspec import plugin
-    from vllm_selfspec.vllm_compat import installed_vllm_version, is_supported_vllm, unsupported_message
+    from vllm_selfspec.vllm_compat import patching
     from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
+    from vllm_selfspec.vllm_compat.version import installed_vllm_version, is_supported_vllm, unsupported_message
 
     version = installed_vllm_version()
     if not is_supported_vllm(version):
         return [unsupported_message(version)]
     reasons = []
-    if not plugin.patched:
+    if not patching.complete():
         reasons.append(
             "needs vllm-selfspec's patches of vLLM, which are not in place in this process (see "
             "the warning at start-up)"

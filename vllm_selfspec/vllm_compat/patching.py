@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """One helper for every change vllm-selfspec makes to vLLM: each is recorded, and none twice.
 
 `patch(owner, name, replacement, why)` replaces `owner.name` and records the original and the
@@ -57,8 +59,24 @@ def applied() -> list[Patch]:
     return list(_applied.values())
 
 
+_complete = False  # whether every patch the plugin makes is in place in this process
+
+
+def mark_complete() -> None:
+    global _complete
+    _complete = True
+
+
+def complete() -> bool:
+    """Whether every patch is in place: the proposer refuses to run without them (a self-draft
+    without the scheduler's KV lookahead would write into blocks it does not own)."""
+    return _complete
+
+
 def roll_back() -> None:
     """Undo every recorded patch, newest first (a failed start-up must leave vLLM as it was)."""
+    global _complete
+    _complete = False
     for key, applied_patch in reversed(list(_applied.items())):
         setattr(applied_patch.owner, applied_patch.name, applied_patch.stored)
         del _applied[key]

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """The model runner's four hand-offs to the self-admg proposer (vLLM 0.32's `GPUModelRunner`,
 which `CPUModelRunner` inherits, so one patch covers both builds). Runners whose drafter is not
 a `SelfAdmgProposer` pass through unchanged.
@@ -5,10 +7,10 @@ a `SelfAdmgProposer` pass through unchanged.
 1. `propose_draft_token_ids`: a bare custom_class proposer gets only token ids. Ours also needs
    the runner (block tables, attention builders, live requests), the scheduler output and this
    step's attention metadata.
-2. `_update_states`: each request's tenant is attached to the runner's state of it in the step
-   that admits it, whether or not the proposer runs in that step (`request_tenant`), and the
-   proposer counts the step, so that it knows when vLLM ran one without asking it for drafts.
-   A prefix-cache reset the scheduler reports empties the lookup history (`scheduler_queue`).
+2. `_update_states`: the scheduler's note for the step (`first_tokens.SchedulerNote`: who
+   waits, the new requests' tenants, prefix-cache resets) reaches the proposer in every step,
+   whether or not the proposer runs in it (vLLM skips it near max_model_len), and the proposer
+   counts the step, so that it knows when vLLM ran one without asking it for drafts.
 3. `_on_request_state_removed`: a request's per-request state (mask, rates) is dropped in the
    same step as vLLM's own (finished, aborted or disconnected).
 4. `_sample`: a step that verifies no draft at all (every row got none: the controller's usual
@@ -30,15 +32,17 @@ Installed from the proposer's constructor, so only worker processes import the r
 """
 
 from vllm_selfspec.fail_safe import fault_point
+from vllm_selfspec.first_tokens import note_of
 from vllm_selfspec.vllm_compat.patching import original, patch
-from vllm_selfspec.vllm_compat.request_tenant import remember_tenants
-from vllm_selfspec.vllm_compat.scheduler_queue import prefix_cache_resets, scheduler_faults
+
+
+class HookedProposer:
+    """A proposer this hook drives (`vllm_selfspec.proposer.SelfAdmgProposer`): it has
+    `propose_for_runner`, `begin_step`, `forget`, `forget_history` and a `fail_safe`."""
 
 
 def _ours(runner) -> bool:
-    from vllm_selfspec.proposer import SelfAdmgProposer
-
-    return isinstance(getattr(runner, "drafter", None), SelfAdmgProposer)
+    return isinstance(getattr(runner, "drafter", None), HookedProposer)
 
 
 def _guarded(runner, work) -> None:
@@ -47,17 +51,6 @@ def _guarded(runner, work) -> None:
         work()
     except Exception as err:
         runner.drafter.fail_safe.record(err)
-
-
-def _follow_scheduler(runner, scheduler_output) -> None:
-    runner.drafter.follow_scheduler(
-        prefix_cache_resets=prefix_cache_resets(scheduler_output), scheduler_faults=scheduler_faults(scheduler_output)
-    )
-
-
-def _remember_tenants(runner, scheduler_output) -> None:
-    fault_point("update_states")
-    remember_tenants(runner, scheduler_output)
 
 
 def install() -> None:
@@ -96,10 +89,7 @@ def install() -> None:
     def _update_states(self, scheduler_output, *args, **kwargs):
         result = original(Runner, "_update_states")(self, scheduler_output, *args, **kwargs)
         if _ours(self):
-            self.drafter.note_step()
-            # Apart, so that a fault attaching tenants never skips forgetting history on a reset.
-            _guarded(self, lambda: _follow_scheduler(self, scheduler_output))
-            _guarded(self, lambda: _remember_tenants(self, scheduler_output))
+            _guarded(self, lambda: self.drafter.begin_step(note_of(scheduler_output), self.requests))
         return result
 
     def _on_request_state_removed(self, req_id, req_state):
@@ -127,7 +117,7 @@ def install() -> None:
         Runner,
         "_update_states",
         _update_states,
-        "attach each admitted request's tenant to the runner's state of it, in every step",
+        "hand the self-admg proposer the scheduler's note, in every step",
     )
     patch(
         Runner,

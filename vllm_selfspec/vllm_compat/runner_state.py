@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """What the proposer reads of vLLM 0.32's model runner in one step: the batch's rows, their
 token ids and requests, and the scheduler output of the step that just ran."""
 
@@ -18,6 +20,11 @@ class StepRow:
     tokens_left: int | None  # before max_tokens (None: no limit)
     sampled: bool  # temperature > 0
     may_draft: bool  # False: its sampling (min_p, logit_bias) is applied by the plain sampler only
+
+    def draft_budget(self, k: int) -> int:
+        """How many of k draft tokens the row can still use: verification emits accepted
+        drafts plus one token, so a request with r tokens left can use at most r - 1."""
+        return k if self.tokens_left is None else max(0, min(k, self.tokens_left - 1))
 
 
 @dataclass(frozen=True)
@@ -51,13 +58,6 @@ class StepView:
         return len(out.scheduled_new_reqs) + len(out.scheduled_cached_reqs.resumed_req_ids)
 
     @property
-    def waiting_requests(self) -> int:
-        """Requests the scheduler left waiting for admission this step (`scheduler_queue`)."""
-        from vllm_selfspec.vllm_compat.scheduler_queue import waiting_requests
-
-        return waiting_requests(self.scheduler_output)
-
-    @property
     def engine_was_busy(self) -> bool:
         """Whether a request ran on from an earlier step. If none did, the engine may have
         waited for requests before this step (a server between arrivals), and a wait is no part
@@ -76,12 +76,6 @@ class StepView:
             ended = row.tokens_left is not None and row.tokens_left <= 0
             finishing += ended or not stops.isdisjoint(self.sampled_token_ids[row.index])
         return finishing
-
-    def tenant(self, row: int):
-        """The row's tenant (`request_tenant.tenant_of`)."""
-        from vllm_selfspec.vllm_compat.request_tenant import tenant_of
-
-        return tenant_of(self.runner.requests[self.req_ids[row]])
 
     @functools.cached_property
     def rows(self) -> list[StepRow]:

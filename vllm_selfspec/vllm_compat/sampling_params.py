@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Serve `min_p` and `logit_bias` with self-admg exactly as plain decoding does.
 
 vLLM 0.32 refuses both with any speculative method (`SamplingParams._validate_spec_decode`,

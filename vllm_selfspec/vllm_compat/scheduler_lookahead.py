@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """Reserve K KV slots past the verified range for self-admg's draft KV.
 
 vLLM 0.32 reserves lookahead slots only for eagle and draft_model (`VllmConfig.

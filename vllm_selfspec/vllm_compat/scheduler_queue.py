@@ -1,11 +1,10 @@
-"""The scheduler's part in keeping first tokens as early as plain decoding's (self-admg servers).
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""The scheduler's side of first tokens (`vllm_selfspec.first_tokens`) in self-admg engines.
 
-A prompt's first token comes out of the step that prefills it, so drafts verified in that step
-delay it by their verification. When a step is about to prefill (a request waits that the
-scheduler can admit now, or a prompt is being prefilled in chunks), the requests running beside
-it verify no drafts in that step: they lose one step's drafts, which is lossless, and the step
-costs what plain decoding's does. Offline batches (`self_admg_closed_batches`) keep their
-drafts: there a first token is worth nothing before the batch's end.
+When a step is about to prefill (a request waits that the scheduler can admit now, or a prompt
+is being prefilled in chunks), the requests running beside it verify no drafts in that step:
+they lose one step's drafts, which is lossless, and the step costs what plain decoding's does.
 
 Whether a waiting request will be admitted is a guess made before vLLM schedules: requests that
 wait for a free slot, a compiled grammar, remote KV or a paused scheduler are not counted, and
@@ -14,36 +13,45 @@ are withheld again only once the numbers of running and waiting requests change.
 never stops for a queue that cannot move; such requests wait for others to finish, which
 drafts hasten.
 
-The worker plans the next step's drafts and needs to know when a prompt will wait for that
-step too (`control.planner`), but vLLM 0.32's `SchedulerOutput` says nothing of the queue:
-`schedule` attaches the number of admissible requests left waiting after this step's
-admissions as one extra attribute, which pickling carries to the workers.
-
-The scheduler also counts its prefix-cache resets (`reset_prefix_cache`, which sleep mode
-calls too) and tells the workers the count each step: a worker that sees it change forgets
-every earlier output it keeps for lookup drafts, as vLLM forgets its cached prefixes.
+Each step's `SchedulerNote` is written here, in one place: the admissible requests left
+waiting, whether batches are closed, the prefix-cache resets (`reset_prefix_cache`, which sleep
+mode calls too) and this process's hook faults so far, and the new requests' tenants.
 
 A fault here must not reach vLLM's scheduler, which would take the engine down: it is logged
-once, counted, and the step is scheduled as vLLM would.
+once, counted, and the step is scheduled as vLLM would; a note that could not be made is not
+sent (the workers read the closed default), and tenants that could not be digested are left
+out (those requests get no history).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
+from dataclasses import dataclass
 
 from vllm_selfspec.fail_safe import fault_point
+from vllm_selfspec.first_tokens import SchedulerNote, attach_note, salt_digest
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
-from vllm_selfspec.vllm_compat import request_tenant
 from vllm_selfspec.vllm_compat.patching import original, patch
 from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
 
 logger = logging.getLogger(__name__)
 
-ATTRIBUTE = "self_admg_waiting"
-IN_VAIN = "_self_admg_withheld_in_vain"  # (running, waiting) when withholding last admitted nobody
-RESETS = "self_admg_prefix_cache_resets"  # on the scheduler and on each step's output
-FAULTS = "self_admg_scheduler_faults"  # on each step's output: the scheduler's hooks' faults so far
+
+@dataclass
+class SchedulerMemory:
+    """What the hooks keep of one scheduler between steps (beside it, not on vLLM's object)."""
+
+    prefix_cache_resets: int = 0
+    withheld_in_vain: tuple | None = None  # (running, waiting) when withholding last admitted nobody
+
+
+_memories: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def memory_of(scheduler) -> SchedulerMemory:
+    return _memories.setdefault(scheduler, SchedulerMemory())
 
 
 def apply() -> None:
@@ -59,7 +67,7 @@ def apply() -> None:
         reset = original(Scheduler, "reset_prefix_cache")(self, *args, **kwargs)
         # Counted whether or not vLLM could reset (running requests hold blocks): forgetting
         # lookup history more often than needed is always safe.
-        _guarded(lambda: setattr(self, RESETS, getattr(self, RESETS, 0) + 1), None)
+        _guarded(lambda: _count_reset(memory_of(self)), None)
         return reset
 
     patch(
@@ -76,23 +84,54 @@ def apply() -> None:
     )
 
 
+def _count_reset(memory: SchedulerMemory) -> None:
+    memory.prefix_cache_resets += 1
+
+
 def schedule_for_first_tokens(scheduler, vllm_schedule, *args, **kwargs):
     """One step of a self-admg engine's scheduler: vLLM's `schedule`, with drafts withheld if
-    the step is about to prefill in a server, and the count of admissible requests left waiting."""
+    the step is about to prefill in a server, and the step's note to the workers."""
     withheld_for = _guarded(lambda: withhold_drafts_beside_prefill(scheduler), "")
     output = vllm_schedule(*args, **kwargs)
-    setattr(output, ATTRIBUTE, _guarded(lambda: _after_schedule(scheduler, output, withheld_for), 0))
-    setattr(output, RESETS, getattr(scheduler, RESETS, 0))
-    setattr(output, FAULTS, faults + request_tenant.faults)  # the workers publish them on /metrics
+    waiting = _guarded(lambda: _after_schedule(scheduler, output, withheld_for), 0)
+    tenants = _guarded(lambda: new_tenants(scheduler, output), ())
+    _guarded(lambda: attach_note(output, _note(scheduler, waiting, tenants)), None)
     return output
+
+
+def _note(scheduler, waiting: int, tenants: tuple) -> SchedulerNote:
+    return SchedulerNote(
+        waiting_requests=waiting,
+        closed_batches=closed_batches(scheduler),
+        prefix_cache_resets=memory_of(scheduler).prefix_cache_resets,
+        scheduler_faults=faults,
+        tenants=tenants,
+    )
+
+
+def closed_batches(scheduler) -> bool:
+    config = scheduler.vllm_config.additional_config
+    return isinstance(config, dict) and bool(config.get(CLOSED_BATCHES_KEY))
+
+
+def new_tenants(scheduler, output) -> tuple[tuple[str, bytes | None], ...]:
+    """Each request admitted new in this step, with its tenant: the digest of its cache_salt.
+    A request without the attribute (another vLLM) is left out: unknown, so no history."""
+    fault_point("tenants")
+    tenants = []
+    for data in output.scheduled_new_reqs:
+        request = scheduler.requests.get(data.req_id)
+        if request is not None and hasattr(request, "cache_salt"):
+            salt = request.cache_salt
+            tenants.append((data.req_id, None if salt is None else salt_digest(salt)))
+    return tuple(tenants)
 
 
 def withhold_drafts_beside_prefill(scheduler) -> str:
     """Clear the running requests' drafts if this step is about to prefill, in a server. Why
     it did: "chunk" (a prompt is being prefilled in chunks) or "admission"; "" if it did not."""
     fault_point("schedule")
-    config = scheduler.vllm_config.additional_config
-    if isinstance(config, dict) and config.get(CLOSED_BATCHES_KEY):
+    if closed_batches(scheduler):
         return ""
     if any(request.is_prefill_chunk for request in scheduler.running):
         why = "chunk"
@@ -124,15 +163,15 @@ def _after_schedule(scheduler, output, withheld_for: str) -> int:
     stuck: the workers would plan no drafts for it)."""
     admitted = bool(output.scheduled_new_reqs or output.scheduled_cached_reqs.resumed_req_ids)
     if withheld_for == "admission" and not admitted:
-        setattr(scheduler, IN_VAIN, scheduler.get_request_counts())
+        memory_of(scheduler).withheld_in_vain = scheduler.get_request_counts()
     elif admitted:
-        setattr(scheduler, IN_VAIN, None)
+        memory_of(scheduler).withheld_in_vain = None
     return 0 if _queue_stuck(scheduler) else admissible_waiting(scheduler)
 
 
 def _queue_stuck(scheduler) -> bool:
     """Whether the counts are those of a withholding that admitted nobody."""
-    return scheduler.get_request_counts() == getattr(scheduler, IN_VAIN, None)
+    return scheduler.get_request_counts() == memory_of(scheduler).withheld_in_vain
 
 
 faults = 0  # in this scheduler's process
@@ -147,19 +186,3 @@ def _guarded(work, default):
         if faults == 1:
             logger.exception("self-admg's scheduler rules failed; scheduling as vLLM does (logged once)")
         return default
-
-
-def scheduler_faults(scheduler_output) -> int:
-    """The scheduler's hooks' faults so far (0 if it did not say)."""
-    return getattr(scheduler_output, FAULTS, 0)
-
-
-def prefix_cache_resets(scheduler_output) -> int:
-    """How many times the scheduler has reset its prefix cache (0 if it did not say)."""
-    return getattr(scheduler_output, RESETS, 0)
-
-
-def waiting_requests(scheduler_output) -> int:
-    """Admissible requests left waiting after the step's admissions (0 if the scheduler did
-    not say)."""
-    return getattr(scheduler_output, ATTRIBUTE, 0)

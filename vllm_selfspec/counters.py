@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""The proposer's counters: totals since the engine started, which operators read on /metrics
+(`metrics`), and benchmarks and tests through the worker extension (`worker_extension`)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ProposerCounters:
+    """Totals since the engine started."""
+
+    prompts_measured: int = 0
+    prompt_tokens_measured: int = 0
+    probe_seconds: float = 0.0
+    warmup_seconds: float = 0.0  # the eager path's one-off set-up, paid at the first step
+    draft_calls: int = 0
+    draft_steps: int = 0
+    draft_tokens: int = 0
+    draft_seconds: float = 0.0
+    propose_calls: int = 0  # steps the proposer was asked for drafts
+    propose_seconds: float = 0.0  # its own time in them, probes and self-drafts included
+    lookup_tokens: int = 0  # from lookup, own context or history
+    history_tokens: int = 0  # of which from earlier requests' outputs
+    context_tokens: int = 0  # and from the request's own context
+    # Of the lookup tokens verified, those accepted and those the planner expected to be: a
+    # planner that expects too many takes drafts that do not pay.
+    lookup_accepted: int = 0
+    lookup_expected: float = 0.0
+    lookup_estimated: float = 0.0  # the same before the planner's calibration scaled them
+    # Drafts made but not verified: the scheduler withheld them beside a prefill, or cut them
+    # at max_model_len.
+    draft_tokens_withheld: int = 0
+    steps_prompts_waiting: int = 0  # steps the scheduler said requests wait that it could admit
+    # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
+    # MLP similarity, mask). Bounded, so a long-running server does not grow it.
+    measurements: deque = field(default_factory=lambda: deque(maxlen=4096))
+    # The last steps as the controller saw them: (prompt tokens, logit rows, sampled logit
+    # rows, draft tokens, seconds), to check its cost model against.
+    steps: deque = field(default_factory=lambda: deque(maxlen=4096))
+    steps_timed: int = 0  # every step ever appended to `steps`: a run's own are the last (after - before)
+
+
+def prompt_key(prompt_token_ids) -> str:
+    """A short, stable name for a prompt's token ids (to match measurements to prompts)."""
+    return hashlib.blake2b(np.asarray(prompt_token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""What the proposer learns from each step once it has run: the step's time against what it
+computed (`control.step_costs`), and what verification made of each row's draft
+(`control.acceptance`). `StepLessons` remembers the drafts it proposed until they are verified,
+and when the last step ended, so that the next call can time it. No vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm_selfspec.control import DraftController, DraftSource, RowOffer
+from vllm_selfspec.counters import ProposerCounters, prompt_key
+
+
+@dataclass(frozen=True)
+class DraftMade:
+    """A row's draft this step, to learn from when it has been verified."""
+
+    source: DraftSource
+    length: int
+    bins: list  # its lookup tokens' calibration (control.acceptance.BinPrior)
+    expected: float = 0.0  # lookup tokens the planner expected to be accepted, as it planned
+    estimated: float = 0.0  # the same before its calibration scaled them (what that learns from)
+
+
+@dataclass
+class StepLessons:
+    controller: DraftController
+    counters: ProposerCounters
+    drafted: dict[str, DraftMade] = field(default_factory=dict)
+    step_end: float | None = None  # when the proposer last returned drafts
+    steps_run: int = 0  # steps the runner began (`note_step`)
+    proposed_at: int = -1  # the step of the last call for drafts
+
+    def note_step(self) -> None:
+        self.steps_run += 1
+
+    def learn(self, step) -> None:
+        """Feed the controller the step that just ran. A step that found the engine idle is not
+        timed: its time since the last step includes the wait for requests, which under
+        open-loop arrivals precedes most prompts and would be charged to their tokens."""
+        now = time.perf_counter()
+        # vLLM skips the proposer in some steps (a request within K tokens of max_model_len):
+        # then neither the time since the last call nor this step's tokens say what the last
+        # call's drafts did.
+        follows_last_call = self.proposed_at == self.steps_run - 1
+        shape = step.shape()
+        if self.step_end is not None and shape is not None and step.engine_was_busy and follows_last_call:
+            seconds = now - self.step_end
+            self.controller.observe_step(
+                shape.prompt_tokens,
+                shape.logit_rows,
+                shape.sampled_rows,
+                seconds,
+                shape.draft_tokens,
+                shape.context_read,
+            )
+            self.counters.steps.append(
+                (shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, shape.draft_tokens, seconds)
+            )
+            self.counters.steps_timed += 1
+        self.step_end = None
+        for row in step.rows if follows_last_call else ():
+            self._learn_row(step, row)
+        self.drafted = {}
+
+    def _learn_row(self, step, row) -> None:
+        made = self.drafted.get(row.req_id)
+        verified = min(made.length, step.verified_draft_tokens(row.req_id)) if made else 0
+        self.counters.draft_tokens_withheld += made.length - verified if made else 0
+        if not verified:  # (the scheduler may have cut a draft short, or withheld it)
+            return
+        accepted = min(step.accepted(row.index), verified)
+        self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.bins, made.estimated)
+        if made.source != DraftSource.SELF:
+            self.controller.observe_lookup_accepted(accepted)
+            self.counters.lookup_accepted += accepted
+            self.counters.lookup_expected += made.expected
+            self.counters.lookup_estimated += made.estimated
+
+    def lookup_drafted(self, req_id: str, offer: RowOffer, source: DraftSource, length: int) -> None:
+        """What to learn from a lookup draft once it is verified."""
+        expectation = self.controller.expected_accepted(offer, length)
+        self.drafted[req_id] = DraftMade(
+            source, length, self.controller.calibration(offer, length), expectation.planned, expectation.estimated
+        )
+        self.counters.lookup_tokens += length
+        if source == DraftSource.HISTORY:
+            self.counters.history_tokens += length
+        else:
+            self.counters.context_tokens += length
+
+    def self_drafted(self, req_id: str, length: int) -> None:
+        self.drafted[req_id] = DraftMade(DraftSource.SELF, length, [])
+
+    def step_ended(self, *, drafted: bool) -> None:
+        """The proposer is about to return this step's drafts (none if not `drafted`: then
+        there is nothing to learn from the step after)."""
+        if not drafted:
+            self.drafted = {}
+        self.step_end = time.perf_counter()
+
+    def call_ended(self) -> None:
+        """The proposer was asked for drafts in this step, whatever came of it."""
+        self.proposed_at = self.steps_run
+
+    def probed(self, probe) -> None:
+        """Prompts measured for self-drafting (`self_draft.ProbeResult`)."""
+        for m in probe.measurements:
+            self.counters.measurements.append((prompt_key(m.prompt), m.attention_similarity, m.mlp_similarity, m.mask))
+        self.counters.prompts_measured += len(probe.measurements)
+        self.counters.prompt_tokens_measured += probe.tokens
+        self.counters.probe_seconds += probe.seconds
+        self.controller.observe_probe(len(probe.measurements), probe.seconds)
+
+    def self_drafts_ran(self, run) -> None:
+        """A batch of self-drafts (`self_draft.DraftRun`): each draft step's rows and time."""
+        for rows, seconds in zip(run.step_rows, run.step_seconds):
+            self.controller.observe_self_step(rows, seconds)
+        self.counters.draft_steps += len(run.step_rows)
+        self.counters.draft_calls += 1
+        self.counters.draft_tokens += run.tokens
+        self.counters.draft_seconds += run.seconds

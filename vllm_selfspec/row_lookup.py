@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""What the proposer tracks per request for lookup drafts: each row's tenant, its quarantine,
+and its tenant's history of earlier outputs. The proposer asks `find` for each row's best
+lookup draft in a step, and hands every request that ends to `forget`. No vLLM: the step is
+read through `vllm_compat.runner_state.StepView`.
+
+A row whose own lookup raises while the others' do not is that request's fault: it is
+quarantined with its prompt (`fail_safe.RequestQuarantine`), drafts no more, and its output is
+not kept; the other rows' drafts go on. If every row's lookup raises, the step faults (nobody is
+blamed for what strikes all). A history that raises is dropped for its tenant.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from vllm_selfspec.control import DraftSource
+from vllm_selfspec.fail_safe import FailSafe, RequestQuarantine, fault_point
+from vllm_selfspec.lookup import NO_DRAFT, UNKNOWN_TENANT, LookupDraft, TenantHistories, lookup_draft
+from vllm_selfspec.options import SelfAdmgOptions
+
+Found = tuple[DraftSource, LookupDraft]
+
+
+class RowLookup:
+    def __init__(self, options: SelfAdmgOptions, fail_safe: FailSafe):
+        self.options = options
+        self.fail_safe = fail_safe
+        self.history = (
+            TenantHistories(
+                options.lookup_history,
+                max_tenants=options.lookup_history_tenants,
+                share_unsalted=options.lookup_history_unsalted,
+            )
+            if options.lookup and options.lookup_history
+            else None
+        )
+        self.quarantine = RequestQuarantine()
+        self.tenants: dict[str, bytes | None] = {}  # live requests' salt digests (None: no salt)
+        self.seconds = 0.0  # the last `find`'s time and rows looked up, for the lookup gate
+        self.rows_looked_up = 0
+
+    def admit(self, tenants, live_requests) -> None:
+        """The tenants of the requests a step admitted (`first_tokens.SchedulerNote.tenants`).
+        Requests leave through `forget`; should one never be forgotten, those the runner no
+        longer holds are dropped once the map outgrows the runner's requests."""
+        self.tenants.update(tenants)
+        if len(self.tenants) > 2 * len(live_requests) + 64:
+            self.tenants = {r: t for r, t in self.tenants.items() if r in live_requests}
+
+    def tenant(self, req_id: str):
+        return self.tenants.get(req_id, UNKNOWN_TENANT)
+
+    def allowed(self, step, row) -> bool:
+        """Whether the row's request is out of quarantine (checked again per row: a request
+        blamed earlier in the step may have a twin in it, n > 1 or a resent prompt)."""
+        return self.quarantine.allows(row.req_id, lambda: (self.tenant(row.req_id), step.prompt(row.index)))
+
+    def find(self, step, rows, budgets: list[int], look_up: bool) -> list[Found]:
+        """Each row's best lookup draft (NO_DRAFT where lookup is off, finds nothing or the
+        budget is 0). A row quarantined now gets its budget set to 0 in `budgets`."""
+        fault_point("lookup")
+        found, failed = [], []
+        start, self.rows_looked_up = time.perf_counter(), 0
+        for i, (row, budget) in enumerate(zip(rows, budgets)):
+            source, draft = DraftSource.LOOKUP, NO_DRAFT
+            if budget and not self.allowed(step, row):
+                budgets[i] = 0  # a twin of a request blamed earlier in this step
+            elif self.options.lookup and look_up and budget:
+                try:
+                    source, draft = self._row(step, row, budget)
+                except Exception as err:
+                    failed.append((i, row, err))
+                self.rows_looked_up += 1
+            found.append((source, draft))
+        if failed and len(failed) == self.rows_looked_up > 1:
+            raise failed[0][2]
+        for i, row, err in failed:
+            self.fail_safe.record(err, one_request=True)
+            self.quarantine.blame(row.req_id, self.tenant(row.req_id), step.prompt(row.index))
+            budgets[i] = 0
+        self.seconds = time.perf_counter() - start
+        return found
+
+    def _row(self, step, row, budget: int) -> Found:
+        context = step.context(row.index)
+        fault_point("lookup", tokens=context)
+        tenant = self.tenant(row.req_id)
+        history = self.history.pool(tenant) if self.history is not None else None
+        try:
+            return lookup_draft(context, budget, self.options.lookup_max_match, history)
+        except Exception as err:
+            if history is None:
+                raise
+            # The tenant's history may be what raises: it goes, and the row drafts from its own
+            # context (if that raises too, the row is at fault).
+            self.history.forget(tenant)
+            self.fail_safe.record(err, one_request=True)
+            return lookup_draft(context, budget, self.options.lookup_max_match, None)
+
+    def forget(self, req_id: str, request=None) -> None:
+        """The request ended: keep its output for its tenant's later requests, unless it was
+        quarantined (its output may be what faults) or a stop string ended it (the front end
+        cut it at a point the worker does not know: its tail was never sent)."""
+        tenant = self.tenants.pop(req_id, UNKNOWN_TENANT)
+        quarantined = req_id in self.quarantine.requests
+        self.quarantine.forget(req_id)
+        params = getattr(request, "sampling_params", None)
+        if (
+            self.history is not None
+            and not quarantined
+            and request is not None
+            and request.output_token_ids
+            and not (params is not None and params.stop)
+        ):
+            self.history.add(tenant, np.array(request.output_token_ids))
+
+    def forget_history(self) -> None:
+        """Forget every earlier output (vLLM reset its prefix cache, or the worker sleeps)."""
+        if self.history is not None:
+            self.history.clear()
