@@ -138,3 +138,16 @@ def test_the_proposer_reads_as_its_loop():
 def test_pure_parts_import_no_torch(name):
     path = modules()[f"vllm_selfspec.{name}"]
     assert "import torch" not in path.read_text()
+
+
+def test_one_module_sets_an_attribute_on_vllms_objects_and_only_through_the_note():
+    """The scheduler-worker contract has one owner (`first_tokens`): nothing else hangs loose
+    names on vLLM's objects (patches go through `vllm_compat.patching`)."""
+    setters = [
+        str(path.relative_to(PACKAGE))
+        for path in modules().values()
+        if path.name != "patching.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+    ]
+    assert setters == ["first_tokens.py"]

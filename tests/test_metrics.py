@@ -167,7 +167,7 @@ def test_files_that_are_not_snapshots_are_skipped_and_counted(tmp_path):
 
     assert self_admg(samples, 0, 0) == expected_samples(0, 0, seed=1)
     assert {key[1] for key in samples} == {(), (("engine", "0"), ("rank", "0"))} | {
-        (("engine", "0"), ("rank", "0"), ("source", source)) for source in ("self", "context", "history")
+        (("engine", "0"), ("rank", "0"), ("source", source)) for source in ("self", "context", "history", "prediction")
     }
     assert samples[(UNREADABLE, ())] == len(BROKEN)
     assert by_label_set(page(registry))[(UNREADABLE, ())] == 2 * len(BROKEN)  # a counter: each scrape adds

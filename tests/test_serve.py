@@ -373,3 +373,117 @@ def test_logs_show_skip_counts_and_acceptance(servers):
     log = admg.log()
     assert "self-admg request" in log and "MLP sublayers of 4 layers" in log
     assert "SpecDecoding metrics" in log
+
+
+# ---- predicted outputs (OpenAI's `prediction`) ------------------------------------------------
+
+
+def predicted(server, content, prediction, endpoint="chat", **kwargs):
+    body = {"prediction": {"type": "content", "content": prediction}} if prediction is not None else {}
+    params = {**GREEDY, **kwargs, "extra_body": {**GREEDY["extra_body"], **body}}
+    return (chat if endpoint == "chat" else complete)(server, content, **params)
+
+
+def output_ids(response) -> list[int]:
+    return response.choices[0].model_extra["token_ids"]
+
+
+def prediction_drafts(server) -> float:
+    """Draft tokens the server's workers took from predictions, on /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(server.url("/metrics"), timeout=10).text)
+    return sum(
+        sample.value
+        for family in families
+        for sample in family.samples
+        if sample.name == "vllm:self_admg_draft_tokens_total" and sample.labels.get("source") == "prediction"
+    )
+
+
+def prediction_details(response) -> tuple[int, int]:
+    details = response.usage.completion_tokens_details  # (fields of the openai client's own type)
+    return details.accepted_prediction_tokens, details.rejected_prediction_tokens
+
+
+def test_a_prediction_changes_no_answer_and_usage_reports_what_it_was_worth(servers, tiny_prompts, tiny_model_path):
+    """The answer with a prediction is the answer without one, whether the prediction is the
+    answer itself, wrong from its first token, or longer than the answer; on both endpoints.
+    Usage counts, of the prediction's tokens (as the server's tokenizer makes them), those the
+    output used in order, and the rest (`prediction.prediction_usage`)."""
+    from transformers import AutoTokenizer
+
+    from vllm_selfspec.prediction import prediction_usage
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    plain, admg = servers
+    before = prediction_drafts(admg)
+    for endpoint, prompt in (("chat", tiny_prompts[0]), ("completions", tiny_prompts[4])):
+        answer = predicted(plain, prompt, None, endpoint)
+        text = answer.choices[0].message.content if endpoint == "chat" else answer.choices[0].text
+        for prediction in (text, "~" * 60, text + text):
+            response = predicted(admg, prompt, prediction, endpoint)
+            assert output_ids(response) == output_ids(answer), (endpoint, prediction)
+            ids = tokenizer.encode(prediction, add_special_tokens=False)
+            assert prediction_details(response) == prediction_usage(ids, output_ids(answer)), (endpoint, prediction)
+    # Drafted from: a prediction's first tokens are drafted before any output, however the tiny
+    # model's answer tokenizes again.
+    assert wait_until(lambda: prediction_drafts(admg) > before)
+
+
+def test_a_streamed_answer_with_a_prediction_reports_it_in_the_final_usage_chunk(servers, tiny_prompts):
+    plain, admg = servers
+    prompt = tiny_prompts[1]
+    text = predicted(plain, prompt, None).choices[0].message.content
+    chunks = list(
+        admg.client().chat.completions.create(
+            model=admg.model,
+            messages=[{"role": "user", "content": prompt}],
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+            max_tokens=24,
+            extra_body={"ignore_eos": True, "prediction": {"type": "content", "content": text}},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    (usage,) = [c.usage for c in chunks if c.usage is not None]
+    details = usage.completion_tokens_details
+    whole = prediction_details(predicted(admg, prompt, text))  # the same answer, not streamed
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == whole
+
+
+def test_a_bad_prediction_gets_a_400_naming_the_field_and_the_others_decode_on(servers, tiny_prompts):
+    plain, admg = servers
+    content = {"type": "content", "content": "x"}
+    for body, kwargs, field in (
+        ({"prediction": "just text"}, {}, "prediction"),  # not {"type": "content", ...}
+        ({"prediction": {"type": "content", "content": 7}}, {}, "prediction"),
+        ({"prediction": {"type": "content", "content": "x " * 9000}}, {}, "prediction"),  # past the cap
+        ({"prediction": content}, {"n": 2, "temperature": 1.0}, "n"),
+        ({"vllm_xargs": {"self_admg_prediction": [1, 2, 3]}}, {}, "vllm_xargs"),  # ids of its own
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            admg.client().completions.create(
+                model=admg.model, prompt="The quick brown", max_tokens=8, extra_body=body, **kwargs
+            )
+        assert err.value.status_code == 400 and err.value.body["param"] == field, body
+    empty = predicted(admg, tiny_prompts[2], "")  # empty content: accepted, no effect
+    assert output_ids(empty) == output_ids(predicted(plain, tiny_prompts[2], None))
+    # A server without self-admg ignores a prediction, as vLLM ignores fields it does not know.
+    assert output_ids(predicted(plain, tiny_prompts[3], "anything")) == output_ids(
+        predicted(plain, tiny_prompts[3], None)
+    )
+    assert admg.healthy()
+
+
+def test_a_seed_gives_plain_decodings_sample_with_or_without_a_prediction(servers):
+    plain, admg = servers
+    sample = dict(temperature=1.0, max_tokens=24, seed=7, extra_body={"ignore_eos": True})
+    expected = complete(plain, "The quick brown", **sample).choices[0].text
+    assert complete(admg, "The quick brown", **sample).choices[0].text == expected
+    prediction = {"prediction": {"type": "content", "content": expected}}
+    with_prediction = {**sample, "extra_body": {**sample["extra_body"], **prediction}}
+    assert complete(admg, "The quick brown", **with_prediction).choices[0].text == expected

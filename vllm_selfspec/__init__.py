@@ -20,4 +20,7 @@ options are in `vllm_selfspec.options`. The package's parts:
 - vllm_compat: everything that knows vLLM's internals, and every patch.
 """
 
+from vllm_selfspec.prediction import with_prediction
+
+__all__ = ["with_prediction"]
 __version__ = "0.1.0"

@@ -29,6 +29,8 @@ class ProposerCounters:
     lookup_tokens: int = 0  # from lookup, own context or history
     history_tokens: int = 0  # of which from earlier requests' outputs
     context_tokens: int = 0  # and from the request's own context
+    prediction_tokens: int = 0  # and from the request's own prediction (OpenAI's `prediction`)
+    prediction_accepted: int = 0  # of those, accepted
     # Of the lookup tokens verified, those accepted and those the planner expected to be: a
     # planner that expects too many takes drafts that do not pay.
     lookup_accepted: int = 0

@@ -75,7 +75,9 @@ class StepLessons:
             return
         accepted = min(step.accepted(row.index), verified)
         self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.bins, made.estimated)
-        if made.source != DraftSource.SELF:
+        if made.source == DraftSource.PREDICTION:  # (not the lookup gate's: predictions cost no lookup)
+            self.counters.prediction_accepted += accepted
+        elif made.source != DraftSource.SELF:
             self.controller.observe_lookup_accepted(accepted)
             self.counters.lookup_accepted += accepted
             self.counters.lookup_expected += made.expected
@@ -90,6 +92,8 @@ class StepLessons:
         self.counters.lookup_tokens += length
         if source == DraftSource.HISTORY:
             self.counters.history_tokens += length
+        elif source == DraftSource.PREDICTION:
+            self.counters.prediction_tokens += length
         else:
             self.counters.context_tokens += length
 

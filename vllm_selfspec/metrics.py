@@ -22,9 +22,9 @@ counted, and a scrape never fails for self-admg's sake: vLLM's own series are on
 Exposed, each with `engine` and `rank` labels:
   vllm:self_admg_faults_total, vllm:self_admg_steps_skipped_for_faults_total,
   vllm:self_admg_drafting_disabled (0 or 1),
-  vllm:self_admg_draft_tokens_total{source="self"|"context"|"history"},
-  vllm:self_admg_lookup_tokens_accepted_total, vllm:self_admg_draft_tokens_withheld_total,
-  vllm:self_admg_probes_total,
+  vllm:self_admg_draft_tokens_total{source="self"|"context"|"history"|"prediction"},
+  vllm:self_admg_lookup_tokens_accepted_total, vllm:self_admg_prediction_tokens_accepted_total,
+  vllm:self_admg_draft_tokens_withheld_total, vllm:self_admg_probes_total,
   vllm:self_admg_probe_seconds_total, vllm:self_admg_proposer_steps_total,
   vllm:self_admg_proposer_seconds_total (its rate over steps' rate: proposer time per step),
   vllm:self_admg_requests_holding_state (requests the proposer keeps a skip mask for).
@@ -63,8 +63,12 @@ METRICS = {
         "gauge",
         "1 while self-admg has switched drafting off after faults (plain decoding until a cool-down ends)",
     ),
-    "draft_tokens": ("counter", "Draft tokens proposed, by source: self (layer-skipping), context, history"),
+    "draft_tokens": (
+        "counter",
+        "Draft tokens proposed, by source: self (layer-skipping), context, history, prediction",
+    ),
     "lookup_tokens_accepted": ("counter", "Lookup draft tokens verification accepted"),
+    "prediction_tokens_accepted": ("counter", "Draft tokens from requests' predictions verification accepted"),
     "draft_tokens_withheld": (
         "counter",
         "Draft tokens not verified: withheld beside a prompt's prefill, or cut at max_model_len",
@@ -289,8 +293,10 @@ def metrics_snapshot(drafter) -> dict:
             "self": counters.draft_tokens,
             "context": counters.context_tokens,
             "history": counters.history_tokens,
+            "prediction": counters.prediction_tokens,
         },
         "lookup_tokens_accepted": counters.lookup_accepted,
+        "prediction_tokens_accepted": counters.prediction_accepted,
         "draft_tokens_withheld": counters.draft_tokens_withheld,
         "probes": counters.prompts_measured,
         "probe_seconds": counters.probe_seconds,

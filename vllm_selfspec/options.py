@@ -176,6 +176,14 @@ class SelfAdmgOptions:
         "decoding's for another's drafts) or 'throughput' (the batch's tokens per second, whoever pays)",
         choices=("per-request", "throughput"),
     )
+    # Each request's prediction is held in its request and in the workers while it runs.
+    max_prediction_tokens: int = option(
+        8192,
+        "the longest `prediction` (OpenAI's predicted outputs) a request may send, in tokens; a "
+        "longer one is refused with a 400 (0 = none accepted)",
+        0,
+        1_000_000,
+    )
     skip_budget: float = option(
         0.0,
         "instead of the thresholds: skip the sublayers that change the stream least per "

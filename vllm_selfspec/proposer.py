@@ -153,6 +153,13 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         """The rank-local part of a step, before the ranks meet: learn from the step that ran,
         offer each row's lookup draft and plan (each rank its own plan; rank 0's is used)."""
         self.lessons.learn(step)
+        first_tokens = self.first_tokens.next_step(
+            step=self.lessons.steps_run,
+            note=self.note,
+            ended=step.finishing_rows,
+            admitted=step.admitted_requests,
+            engine_was_busy=step.engine_was_busy,
+        )
         rows = step.rows
         k = self.num_speculative_tokens
         budgets = [row.draft_budget(k) if row.may_draft and self.lookup.allowed(step, row) else 0 for row in rows]
@@ -174,13 +181,6 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
             )
             for row, budget, (source, draft) in zip(rows, budgets, found)
         ]
-        first_tokens = self.first_tokens.next_step(
-            step=self.lessons.steps_run,
-            note=self.note,
-            ended=step.finishing_rows,
-            admitted=step.admitted_requests,
-            engine_was_busy=step.engine_was_busy,
-        )
         return PreparedStep(step, found, offers, self._plan(offers, max(budgets, default=0), first_tokens).as_ints())
 
     def _plan(self, offers: list[RowOffer], self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
@@ -224,11 +224,12 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
     def _self_draft(self, step: StepView, forward: DraftForward, rows: list, length: int, drafts: list) -> None:
         """Probe the rows not measured yet, then draft up to `length` tokens for all of them."""
         new = [row.index for row, _ in rows if row.req_id not in self.self_drafter.masks]
-        if new:
-            self.lessons.probed(self.self_drafter.probe(step, forward, new))
+        if new:  # (what is learned is rank-local: its fault costs the lesson, never the ranks' step)
+            probe = self.self_drafter.probe(step, forward, new)
+            self.fail_safe.attempt(lambda: self.lessons.probed(probe))
         budgets = [min(budget, length) for _, budget in rows]
         run = self.self_drafter.draft(step, forward, [row.index for row, _ in rows], budgets, drafts)
-        self.lessons.self_drafts_ran(run)
+        self.fail_safe.attempt(lambda: self.lessons.self_drafts_ran(run))
         for row, _ in rows:
             if drafts[row.index]:
                 self.lessons.self_drafted(row.req_id, len(drafts[row.index]))

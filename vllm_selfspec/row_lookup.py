@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""What the proposer tracks per request for lookup drafts: each row's tenant, its quarantine,
-and its tenant's history of earlier outputs. The proposer asks `find` for each row's best
-lookup draft in a step, and hands every request that ends to `forget`. No vLLM: the step is
-read through `vllm_compat.runner_state.StepView`.
+"""What the proposer tracks per request for drafts that cost no forward: each row's tenant, its
+quarantine, its tenant's history of earlier outputs, and where its output stands in its own
+prediction, if it sent one. The proposer asks `find` for each row's draft in a step: the
+prediction's where the output follows it (the request's own guess of its answer is the best
+source there is), else the best lookup draft; and hands every request that ends to `forget`.
+No vLLM: the step is read through `vllm_compat.runner_state.StepView`.
 
 A row whose own lookup raises while the others' do not is that request's fault: it is
 quarantined with its prompt (`fail_safe.RequestQuarantine`), drafts no more, and its output is
@@ -21,6 +23,7 @@ from vllm_selfspec.control import DraftSource
 from vllm_selfspec.fail_safe import FailSafe, RequestQuarantine, fault_point
 from vllm_selfspec.lookup import NO_DRAFT, UNKNOWN_TENANT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.options import SelfAdmgOptions
+from vllm_selfspec.prediction import PredictionCursor
 
 Found = tuple[DraftSource, LookupDraft]
 
@@ -40,16 +43,19 @@ class RowLookup:
         )
         self.quarantine = RequestQuarantine()
         self.tenants: dict[str, bytes | None] = {}  # live requests' salt digests (None: no salt)
+        self.cursors: dict[str, PredictionCursor | None] = {}  # live requests' (None: no prediction)
         self.seconds = 0.0  # the last `find`'s time and rows looked up, for the lookup gate
         self.rows_looked_up = 0
 
     def admit(self, tenants, live_requests) -> None:
         """The tenants of the requests a step admitted (`first_tokens.SchedulerNote.tenants`).
         Requests leave through `forget`; should one never be forgotten, those the runner no
-        longer holds are dropped once the map outgrows the runner's requests."""
+        longer holds are dropped (with their cursors) once a map outgrows the runner's requests."""
         self.tenants.update(tenants)
         if len(self.tenants) > 2 * len(live_requests) + 64:
             self.tenants = {r: t for r, t in self.tenants.items() if r in live_requests}
+        if len(self.cursors) > 2 * len(live_requests) + 64:
+            self.cursors = {r: c for r, c in self.cursors.items() if r in live_requests}
 
     def tenant(self, req_id: str):
         return self.tenants.get(req_id, UNKNOWN_TENANT)
@@ -60,30 +66,49 @@ class RowLookup:
         return self.quarantine.allows(row.req_id, lambda: (self.tenant(row.req_id), step.prompt(row.index)))
 
     def find(self, step, rows, budgets: list[int], look_up: bool) -> list[Found]:
-        """Each row's best lookup draft (NO_DRAFT where lookup is off, finds nothing or the
-        budget is 0). A row quarantined now gets its budget set to 0 in `budgets`."""
+        """Each row's draft: its prediction's, else its best lookup draft if `look_up` (NO_DRAFT
+        where neither offers one or the budget is 0). A row quarantined now gets its budget set
+        to 0 in `budgets`."""
         fault_point("lookup")
-        found, failed = [], []
-        start, self.rows_looked_up = time.perf_counter(), 0
+        found, failed, tried = [], [], 0
+        lookup_seconds, self.rows_looked_up = 0.0, 0
         for i, (row, budget) in enumerate(zip(rows, budgets)):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
             if budget and not self.allowed(step, row):
                 budgets[i] = 0  # a twin of a request blamed earlier in this step
-            elif self.options.lookup and look_up and budget:
+            elif budget:
+                tried += 1
                 try:
-                    source, draft = self._row(step, row, budget)
+                    source, draft = self._predicted(step, row, budget)
+                    if not len(draft) and self.options.lookup and look_up:
+                        looked_up_at = time.perf_counter()
+                        self.rows_looked_up += 1
+                        source, draft = self._row(step, row, budget)
+                        lookup_seconds += time.perf_counter() - looked_up_at
                 except Exception as err:
                     failed.append((i, row, err))
-                self.rows_looked_up += 1
             found.append((source, draft))
-        if failed and len(failed) == self.rows_looked_up > 1:
+        if failed and len(failed) == tried > 1:
             raise failed[0][2]
         for i, row, err in failed:
             self.fail_safe.record(err, one_request=True)
             self.quarantine.blame(row.req_id, self.tenant(row.req_id), step.prompt(row.index))
             budgets[i] = 0
-        self.seconds = time.perf_counter() - start
+        self.seconds = lookup_seconds  # what the lookup gate weighs: lookups only, not predictions
         return found
+
+    def _predicted(self, step, row, budget: int) -> Found:
+        """The row's prediction where its output stands in it (NO_DRAFT without one, or lost)."""
+        if row.req_id not in self.cursors:
+            tokens = step.prediction(row.index, self.options.max_prediction_tokens)
+            self.cursors[row.req_id] = PredictionCursor(tokens) if tokens else None
+        cursor = self.cursors[row.req_id]
+        if cursor is None:
+            return DraftSource.LOOKUP, NO_DRAFT
+        fault_point("lookup", tokens=cursor.tokens)
+        cursor.follow(step.output(row.index))
+        tokens = cursor.draft(budget)
+        return DraftSource.PREDICTION, LookupDraft(tokens.copy()) if len(tokens) else NO_DRAFT
 
     def _row(self, step, row, budget: int) -> Found:
         context = step.context(row.index)
@@ -106,6 +131,7 @@ class RowLookup:
         quarantined (its output may be what faults) or a stop string ended it (the front end
         cut it at a point the worker does not know: its tail was never sent)."""
         tenant = self.tenants.pop(req_id, UNKNOWN_TENANT)
+        self.cursors.pop(req_id, None)
         quarantined = req_id in self.quarantine.requests
         self.quarantine.forget(req_id)
         params = getattr(request, "sampling_params", None)

@@ -28,7 +28,11 @@ class DraftSource(str, Enum):
 
     LOOKUP = "lookup"  # the row's own context
     HISTORY = "history"  # earlier requests' outputs
+    PREDICTION = "prediction"  # the request's own prediction of its answer (OpenAI's `prediction`)
     SELF = "self"  # the target model with skipped sublayers
+
+
+LOOKED_UP = (DraftSource.LOOKUP, DraftSource.HISTORY, DraftSource.PREDICTION)  # drafts that cost no forward
 
 
 @dataclass
@@ -106,6 +110,8 @@ def default_rates() -> dict[DraftSource, AcceptanceRate]:
     return {
         DraftSource.LOOKUP: AcceptanceRate(prior=0.6),
         DraftSource.HISTORY: AcceptanceRate(prior=0.4),
+        # A client sends a prediction it expects the answer to follow: most of an edited file.
+        DraftSource.PREDICTION: AcceptanceRate(prior=0.8),
         DraftSource.SELF: AcceptanceRate(prior=0.7),
     }
 
@@ -145,7 +151,7 @@ class AcceptanceModel:
     _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
     # Per lookup source, verification's outcome over the unscaled estimates of the drafts chosen.
     estimate_calibration: dict[DraftSource, EstimateCalibration] = field(
-        default_factory=lambda: {DraftSource.LOOKUP: EstimateCalibration(), DraftSource.HISTORY: EstimateCalibration()}
+        default_factory=lambda: {source: EstimateCalibration() for source in LOOKED_UP}
     )
 
     def rate(self, source: str) -> float:
@@ -176,7 +182,7 @@ class AcceptanceModel:
             self._by_bin[token.bin].observe(1, int(j < accepted))
 
     def forget(self, req_id: str) -> None:
-        for source in (DraftSource.LOOKUP, DraftSource.HISTORY):
+        for source in LOOKED_UP:
             self._by_request.pop((req_id, source), None)
 
     def lookup_rate(self, req_id: str, source: str = DraftSource.LOOKUP) -> float:
@@ -189,7 +195,7 @@ class AcceptanceModel:
         acceptance to be trusted (`planner`: a row without is credited no gain)."""
         return any(
             rate.verified >= TRUSTED_AFTER_TOKENS
-            for source in (DraftSource.LOOKUP, DraftSource.HISTORY)
+            for source in LOOKED_UP
             if (rate := self._by_request.get((req_id, source))) is not None
         )
 

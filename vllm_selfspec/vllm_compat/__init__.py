@@ -10,6 +10,7 @@ Patches (each applied once through `patching.patch`, which records it):
   the scheduler's note to the workers (`vllm_selfspec.first_tokens.SchedulerNote`: who waits,
   the new requests' tenants, resets and faults).
 - sampling_params: min_p and logit_bias are served (rows using them get no drafts).
+- predicted_outputs: OpenAI's `prediction` taken, tokenized and reported in usage.
 - runner_hook: the model runner hands our proposer what it needs, drops a request's state with
   its own, and samples a step with no draft as plain decoding does.
 - cpu_fixes: three bugs of vLLM 0.32's CPU build that speculative decoding runs into.
@@ -35,6 +36,7 @@ def apply_patches() -> bool:
         cpu_fixes,
         front_door,
         patching,
+        predicted_outputs,
         sampling_params,
         scheduler_lookahead,
         scheduler_queue,
@@ -60,6 +62,7 @@ def apply_patches() -> bool:
     scheduler_lookahead.apply()
     scheduler_queue.apply()
     sampling_params.apply()
+    predicted_outputs.apply()
     cpu_fixes.apply()
     patching.mark_complete()
     return True

@@ -218,6 +218,7 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
         # A headless node runs engines for an API server elsewhere, which cannot read this
         # node's files: no metrics directory there.
         token = _usage_context.set(f"{use} (headless)" if kwargs.get("headless") else use)
+        _serve_predictions()
         try:
             return original(engine_args_cls, "create_engine_config")(self, usage_context, *args, **kwargs)
         finally:
@@ -364,3 +365,14 @@ def apply() -> None:
     _widen_method_choices()
     _extend_cli(EngineArgs)
     _report_config_errors_in_one_line()
+
+
+def _serve_predictions() -> None:
+    """A server has imported its OpenAI serving layer by the time it builds an engine's config:
+    take `prediction` there (`predicted_outputs`), if the plugin's start-up could not yet."""
+    try:
+        from vllm_selfspec.vllm_compat import predicted_outputs
+
+        predicted_outputs.apply_to_serving()
+    except Exception as err:  # predictions are then ignored, as vLLM ignores unknown fields
+        logger.warning("self-admg could not take `prediction` on this server (%s: %s)", type(err).__name__, err)

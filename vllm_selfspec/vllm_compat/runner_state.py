@@ -138,6 +138,23 @@ class StepView:
     def prompt(self, row: int) -> np.ndarray:
         return self.batch.token_ids_cpu[row, : self.batch.num_prompt_tokens[row]]
 
+    def output(self, row: int) -> np.ndarray:
+        """The row's output so far, up to its last sampled token."""
+        return self.batch.token_ids_cpu[row, self.batch.num_prompt_tokens[row] : self.batch.num_tokens_no_spec[row]]
+
+    def prediction(self, row: int, limit: int) -> list[int] | None:
+        """The token ids of the request's prediction (`vllm_selfspec.prediction`), at most
+        `limit` of them; None without one, or if any is not a token of the model's vocabulary
+        (the front end refuses such ids; a request that came another way is not trusted)."""
+        from vllm_selfspec.prediction import PREDICTION_KEY
+
+        params = self.runner.requests[self.req_ids[row]].sampling_params
+        ids = (getattr(params, "extra_args", None) or {}).get(PREDICTION_KEY)
+        vocab = self.runner.model_config.get_vocab_size()
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids[:limit]):
+            return None
+        return ids[:limit]
+
     def prompt_of(self, req_id: str) -> np.ndarray | None:
         """A live request's prompt by id (None if the runner no longer holds it)."""
         ids = getattr(self.runner.requests.get(req_id), "prompt_token_ids", None)

@@ -49,5 +49,12 @@ def apply() -> None:
 
 
 def needs_plain_sampling(params) -> bool:
-    """Whether a request's tokens must all come from the plain sampler (no drafts)."""
-    return params is not None and (params.min_p > 1e-5 or bool(params.logit_bias))
+    """Whether a request's tokens must all come from the plain sampler (no drafts): min_p and
+    logit_bias, which only it applies; and a seed at temperature > 0, so that the seed gives
+    plain decoding's output exactly, whatever the batch, prediction or drafts (a verified draft
+    changes which of the seed's random numbers pick which token; a row without drafts draws
+    none in verification, vLLM's rejection sampler skipping it)."""
+    if params is None:
+        return False
+    seeded_sample = params.seed is not None and params.temperature > 1e-5
+    return params.min_p > 1e-5 or bool(params.logit_bias) or seeded_sample

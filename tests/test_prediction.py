@@ -1,0 +1,227 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""The prediction cursor: followed as the output grows, found again after an edit, and the
+usage OpenAI reports counted from the prediction and the output alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_selfspec.prediction import REJOIN_TOKENS, PredictionCursor, prediction_usage
+
+FILE = list(range(100, 140))  # a known text: 40 distinct tokens
+
+
+def test_an_output_that_copies_its_prediction_is_drafted_all_the_way():
+    cursor = PredictionCursor(FILE)
+    assert list(cursor.draft(4)) == FILE[:4]  # before the first output token
+    cursor.follow(FILE[:10])
+    assert list(cursor.draft(8)) == FILE[10:18]
+    cursor.follow(FILE)
+    assert len(cursor.draft(8)) == 0  # the prediction is used up
+    assert prediction_usage(FILE, FILE) == (40, 0)
+
+
+def test_an_edit_in_the_middle_resumes_drafting_where_the_output_rejoins():
+    edited = FILE[:15] + [7, 8, 9] + FILE[20:]  # five tokens replaced by three
+    cursor = PredictionCursor(FILE)
+    cursor.follow(edited[:16])  # the first edited token: lost
+    assert len(cursor.draft(4)) == 0
+    cursor.follow(edited[: 18 + REJOIN_TOKENS])  # the edit, then REJOIN_TOKENS of the original
+    assert list(cursor.draft(4)) == FILE[20 + REJOIN_TOKENS : 24 + REJOIN_TOKENS]
+    assert prediction_usage(FILE, edited) == (35, 5)  # the 15 before the edit and the 20 after it
+
+
+def test_a_prediction_wrong_from_its_first_token_drafts_nothing_and_counts_nothing_used():
+    cursor = PredictionCursor(FILE)
+    output = list(range(500, 530))
+    cursor.follow(output)
+    assert len(cursor.draft(4)) == 0
+    assert prediction_usage(FILE, output) == (0, 40)
+
+
+def test_a_prediction_longer_than_the_answer_leaves_its_tail_rejected():
+    assert prediction_usage(FILE, FILE[:10]) == (10, 30)
+    assert prediction_usage([], FILE) == (0, 0)  # empty content: no effect
+
+
+def test_the_rejoin_prefers_the_copy_after_the_edit_to_an_earlier_one():
+    repeated = [1, 2, 3, 4, 5, 1, 2, 3, 6, 7]  # "1 2 3" twice
+    cursor = PredictionCursor(repeated)
+    cursor.follow([1, 2, 3, 4, 5, 9, 1, 2, 3])  # departs at the second copy, then rejoins
+    assert list(cursor.draft(2)) == [6, 7]  # after the second copy, not the first
+
+
+def test_usage_is_counted_one_token_at_a_time_or_all_at_once_alike():
+    edited = FILE[:15] + [7, 8, 9] + FILE[20:]
+    stepwise = PredictionCursor(FILE)
+    for end in range(0, len(edited) + 1, 3):  # verification emits several tokens a step
+        stepwise.follow(edited[:end])
+    stepwise.follow(edited)
+    assert stepwise.used == prediction_usage(FILE, edited).accepted_prediction_tokens
+
+
+def test_the_openai_shape_is_read_and_anything_else_named_in_the_error():
+    from vllm_selfspec.prediction import PredictionError, prediction_text
+
+    assert prediction_text({"type": "content", "content": "def f():"}) == "def f():"
+    parts = [{"type": "text", "text": "def "}, {"type": "text", "text": "f():"}]
+    assert prediction_text({"type": "content", "content": parts}) == "def f():"
+    assert prediction_text({"type": "content", "content": ""}) == ""
+    for bad, field in (
+        ("def f():", "prediction must be"),
+        ({"type": "text", "content": "x"}, "prediction.type"),
+        ({"type": "content"}, "prediction.content"),
+        ({"type": "content", "content": 3}, "prediction.content"),
+        ({"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}, "prediction.content"),
+        ({"type": "content", "content": "x", "extra": 1}, "prediction must be"),
+    ):
+        with pytest.raises(PredictionError, match=field):
+            prediction_text(bad)
+
+
+@pytest.mark.engine
+def test_an_engine_drafts_from_predictions_and_no_output_changes(tiny_model_path, tiny_prompt_ids, plain_tiny):
+    """Offline, in one engine: the exact answer, a wrong one and one longer than the answer as
+    predictions (token ids, and text through `with_prediction`), greedy and seeded at
+    temperature 1: every output is plain decoding's, and the exact predictions are drafted and
+    accepted. A server without self-admg (`plain_tiny`) drops a prediction."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from vllm_selfspec import with_prediction
+    from vllm_selfspec.prediction import PREDICTION_KEY
+
+    from conftest import close_llm, make_llm, proposer_report, token_ids
+
+    prompts = [{"prompt_token_ids": ids} for ids in tiny_prompt_ids[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = token_ids(plain_tiny.generate(prompts, greedy, use_tqdm=False))
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=32, ignore_eos=True)
+    plain_seeded = token_ids(plain_tiny.generate(prompts, seeded, use_tqdm=False))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+
+    def _with(params, ids):  # the token ids as the server's front end sends them
+        copy = params.clone()
+        copy.extra_args = {PREDICTION_KEY: list(ids)}
+        return copy
+
+    spec = {"method": "self-admg", "num_speculative_tokens": 4, "adaptive": False}
+    llm = make_llm(tiny_model_path, speculative_config=spec)
+    try:
+        for predictions in (plain, [[3] * 40] * 3, [out + out for out in plain]):
+            params = [_with(greedy, ids) for ids in predictions]
+            assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == plain
+        report = proposer_report(llm)
+        # The exact and the doubled answers: nearly every draft token of the 2 x 3 requests.
+        assert report["prediction_accepted"] >= 2 * 3 * 16, report
+        texts = [with_prediction(greedy, tokenizer.decode(out)) for out in plain]
+        assert token_ids(llm.generate(prompts, texts, use_tqdm=False)) == plain
+        assert proposer_report(llm)["prediction_tokens"] > report["prediction_tokens"]  # not dropped
+        # Seeded rows beside rows whose exact predictions are verified in the same steps.
+        mixed = [seeded, _with(greedy, plain[1]), _with(seeded, plain_seeded[2])]
+        outputs = token_ids(llm.generate(prompts, mixed, use_tqdm=False))
+        assert outputs == [plain_seeded[0], plain[1], plain_seeded[2]]
+    finally:
+        close_llm(llm)
+    ignored = token_ids(plain_tiny.generate(prompts, [_with(greedy, out) for out in plain], use_tqdm=False))
+    assert ignored == plain
+
+
+def fake_serving(self_admg=True, max_prediction_tokens=8):
+    from types import SimpleNamespace
+
+    from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH
+
+    spec = SimpleNamespace(method="custom_class", model=PROPOSER_PATH if self_admg else "other")
+    config = SimpleNamespace(
+        speculative_config=spec,
+        additional_config={ADDITIONAL_CONFIG_KEY: {"max_prediction_tokens": max_prediction_tokens}},
+    )
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [ord(c) for c in text])
+    return SimpleNamespace(
+        engine_client=SimpleNamespace(vllm_config=config),
+        renderer=SimpleNamespace(get_tokenizer=lambda: tokenizer),
+    )
+
+
+def test_the_front_end_tokenizes_a_prediction_into_the_requests_xargs_or_names_what_is_wrong():
+    from types import SimpleNamespace
+
+    from vllm_selfspec.prediction import PREDICTION_KEY
+    from vllm_selfspec.vllm_compat.predicted_outputs import _take_prediction
+
+    def request(prediction, n=1, xargs=None):
+        return SimpleNamespace(model_extra={"prediction": prediction}, n=n, vllm_xargs=xargs)
+
+    ok = request({"type": "content", "content": "abc"}, xargs={"other": 1})
+    assert _take_prediction(fake_serving(), ok) is None
+    assert ok.vllm_xargs == {"other": 1, PREDICTION_KEY: [97, 98, 99]}
+    assert _take_prediction(fake_serving(), request({"type": "content", "content": "x" * 9}))[0] == "prediction"
+    assert _take_prediction(fake_serving(), request({"type": "content", "content": "x"}, n=2))[0] == "n"
+    assert _take_prediction(fake_serving(), request("abc"))[0] == "prediction"
+    forged = request(None, xargs={PREDICTION_KEY: [1, 2]})
+    assert _take_prediction(fake_serving(), forged)[0] == "vllm_xargs"
+    empty = request({"type": "content", "content": ""})
+    assert _take_prediction(fake_serving(), empty) is None and empty.vllm_xargs is None
+    elsewhere = request({"type": "content", "content": "abc"})  # another method: ignored
+    assert _take_prediction(fake_serving(self_admg=False), elsewhere) is None and elsewhere.vllm_xargs is None
+
+
+def test_only_a_streams_final_usage_chunk_gets_the_prediction_counts():
+    import json
+
+    from vllm_selfspec.vllm_compat.predicted_outputs import _with_details
+
+    delta = 'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n'
+    assert _with_details(delta, [[1, 2]], [1, 2, 3]) == delta
+    assert _with_details("data: [DONE]\n\n", [[1, 2]], [1, 2, 3]) == "data: [DONE]\n\n"
+    usage = {"completion_tokens": 2, "completion_tokens_details": {"reasoning_tokens": 1}}
+    final = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+    rewritten = json.loads(_with_details(final, [[1, 2]], [1, 2, 3])[len("data: ") :])
+    details = rewritten["usage"]["completion_tokens_details"]
+    assert details == {"reasoning_tokens": 1, "accepted_prediction_tokens": 2, "rejected_prediction_tokens": 1}
+
+
+def test_a_prediction_token_is_counted_used_once_however_often_the_output_rejoins_there():
+    output = [1, 2, 3, 99] * 4  # rejoins the prediction's first three tokens again and again
+    assert prediction_usage(list(range(1, 11)), output) == (3, 7)
+
+
+def test_following_a_long_output_through_a_long_prediction_stays_cheap():
+    import time
+
+    rng = __import__("numpy").random.default_rng(0)
+    prediction = rng.integers(0, 50_000, 8192).tolist()
+    output = rng.integers(0, 50_000, 8192).tolist()  # lost at every token: a rejoin attempt each
+    start = time.perf_counter()
+    prediction_usage(prediction, output)
+    assert time.perf_counter() - start < 1.0  # a binary search per lost token, not a scan
+
+
+def test_the_input_processor_keeps_only_ids_of_the_vocabulary_within_the_cap():
+    """Every request passes here, whatever endpoint it came through (/v1/responses passes
+    `vllm_xargs` on as it is): ids out of the vocabulary, past 64 bits or past the cap are a 400,
+    never a draft; an offline prediction's text becomes ids."""
+    from types import SimpleNamespace
+
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH
+    from vllm_selfspec.prediction import PREDICTION_KEY, PREDICTION_TEXT_KEY
+    from vllm_selfspec.vllm_compat.predicted_outputs import _tokenized
+
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(method="custom_class", model=PROPOSER_PATH),
+        additional_config={ADDITIONAL_CONFIG_KEY: {"max_prediction_tokens": 4}},
+        model_config=SimpleNamespace(get_vocab_size=lambda: 100),
+    )
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [ord(c) - 90 for c in text])
+    processor = SimpleNamespace(vllm_config=config, get_tokenizer=lambda: tokenizer)
+    assert _tokenized(processor, {"other": 1, PREDICTION_KEY: [1, 2]}) == {"other": 1, PREDICTION_KEY: [1, 2]}
+    assert _tokenized(processor, {PREDICTION_TEXT_KEY: "abc"}) == {PREDICTION_KEY: [7, 8, 9]}
+    for bad in ([1, 100], [-1], [2**64 - 1], [1.0], [1] * 5, "12"):
+        with pytest.raises(VLLMValidationError):
+            _tokenized(processor, {PREDICTION_KEY: bad})
+    plain = SimpleNamespace(vllm_config=SimpleNamespace(**{**vars(config), "speculative_config": None}))
+    assert _tokenized(plain, {"other": 1, PREDICTION_KEY: [1]}) == {"other": 1}  # ignored elsewhere

@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""Predicted outputs (OpenAI's `prediction`): a request's own guess of its answer, such as the
+file it asks to edit, followed as the answer is written. Pure: no vLLM.
+
+A `PredictionCursor` stands where the output is in its prediction: each output token that
+equals the prediction's token at the cursor moves it on (a token the output used); any other
+token loses it, and the cursor looks for where the output rejoins the prediction: a place whose
+preceding `REJOIN_TOKENS` tokens equal the output's last ones, the first at or after where the
+cursor was lost (an edit in the middle of a file resumes after the edit, not at an earlier copy
+of the same lines), else the last before it. While it stands somewhere, the prediction's next
+tokens are the row's draft.
+
+The same cursor counts the usage OpenAI reports (`prediction_usage`), from the prediction and
+the output alone, so the counts are the same whatever the batch and whatever was drafted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+# Where a request's prediction travels in its `SamplingParams.extra_args`: its token ids, and,
+# for an offline request (`with_prediction`), its text until vLLM's input processor tokenizes it.
+PREDICTION_KEY = "self_admg_prediction"
+PREDICTION_TEXT_KEY = "self_admg_prediction_text"
+
+
+class PredictionError(ValueError):
+    """A `prediction` that is not OpenAI's shape; the message names the field."""
+
+
+def prediction_text(value) -> str:
+    """The text of OpenAI's `prediction`: {"type": "content", "content": a string, or an array
+    of text parts {"type": "text", "text": ...}, joined as they are}."""
+    if not isinstance(value, dict) or set(value) - {"type", "content"}:
+        raise PredictionError('prediction must be {"type": "content", "content": ...}')
+    if value.get("type") != "content":
+        raise PredictionError('prediction.type must be "content"')
+    content = value.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(_is_text_part(part) for part in content):
+        return "".join(part["text"] for part in content)
+    raise PredictionError('prediction.content must be a string or an array of {"type": "text", "text": ...} parts')
+
+
+def _is_text_part(part) -> bool:
+    is_part = isinstance(part, dict) and set(part) == {"type", "text"}
+    return is_part and part["type"] == "text" and isinstance(part["text"], str)
+
+
+def with_prediction(params, content):
+    """A copy of `params` (vLLM's `SamplingParams`) whose request carries `content` (a string,
+    or OpenAI's array of text parts) as its prediction, for `LLM.generate`; vLLM's input
+    processor tokenizes it with the prompt's tokenizer. Served by self-admg engines only."""
+    text = prediction_text({"type": "content", "content": content})
+    if params.n > 1:
+        raise PredictionError("a prediction is served with n = 1 only")
+    copy = params.clone()
+    copy.extra_args = {**(params.extra_args or {}), PREDICTION_TEXT_KEY: text}
+    return copy
+
+
+# Output tokens that must equal the prediction's before the cursor rejoins it: one or two
+# tokens (a space, a bracket) recur everywhere in code and prose; three seldom recur by chance.
+REJOIN_TOKENS = 3
+
+
+class PredictionCursor:
+    """Where an output stands in its prediction. Work per output token is constant, or a
+    binary search where the cursor looks for the way back (an index of the prediction's
+    REJOIN_TOKENS-grams, built once); memory is a few arrays of the prediction's length."""
+
+    def __init__(self, tokens: Sequence[int]):
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.position: int | None = 0  # the prediction's token the output's next token should be
+        self.lost_at = 0  # where the cursor last stood before the output departed
+        self.seen = 0  # output tokens followed so far
+        self.credited = np.zeros(len(self.tokens), dtype=bool)  # prediction tokens the output used
+        ends = np.arange(REJOIN_TOKENS, len(self.tokens) + 1)
+        keys = _gram_keys(self.tokens)
+        order = np.argsort(keys, kind="stable")  # by key, then by position
+        self._keys, self._ends = keys[order], ends[order]
+
+    @property
+    def used(self) -> int:
+        return int(self.credited.sum())
+
+    def follow(self, output: Sequence[int] | np.ndarray) -> None:
+        """Move along the output's tokens not followed yet (`output`: the whole output so far)."""
+        output = np.asarray(output, dtype=np.int64)
+        for i in range(self.seen, len(output)):
+            at = self.position
+            if at is not None and at < len(self.tokens) and self.tokens[at] == output[i]:
+                self.credited[at] = True
+                self.position = at + 1
+                continue
+            if at is not None:
+                self.lost_at, self.position = at, None
+            self.position = self._rejoin(output[max(0, i + 1 - REJOIN_TOKENS) : i + 1])
+            if self.position is not None:  # the tokens that found the way back were used too
+                self.credited[self.position - REJOIN_TOKENS : self.position] = True
+        self.seen = len(output)
+
+    def draft(self, max_tokens: int) -> np.ndarray:
+        """The prediction's next tokens where the cursor stands (none where it is lost)."""
+        if self.position is None or max_tokens <= 0:
+            return self.tokens[:0]
+        return self.tokens[self.position : self.position + max_tokens]
+
+    def _rejoin(self, tail: np.ndarray) -> int | None:
+        """Just after a place where the prediction's tokens equal `tail` (the output's last
+        REJOIN_TOKENS): the first at or after `lost_at`, else the last before it; None if none."""
+        if len(tail) < REJOIN_TOKENS or not len(self._keys):
+            return None
+        key = _gram_keys(tail)[0]
+        lo, hi = np.searchsorted(self._keys, key, "left"), np.searchsorted(self._keys, key, "right")
+        ends = self._ends[lo:hi]  # ascending; a key shared by chance is checked token by token
+        ends = [int(e) for e in ends if np.array_equal(self.tokens[e - REJOIN_TOKENS : e], tail)]
+        if not ends:
+            return None
+        ahead = ends[bisect.bisect_left(ends, self.lost_at) :]
+        return ahead[0] if ahead else ends[-1]
+
+
+def _gram_keys(tokens: np.ndarray) -> np.ndarray:
+    """One int64 key per REJOIN_TOKENS-gram of `tokens` (wrapping on overflow: equal grams get
+    equal keys, and a shared key is checked token by token)."""
+    if len(tokens) < REJOIN_TOKENS:
+        return np.zeros(0, dtype=np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, REJOIN_TOKENS)
+    keys = np.zeros(len(windows), dtype=np.int64)
+    with np.errstate(over="ignore"):
+        for j in range(REJOIN_TOKENS):
+            keys = keys * np.int64(1_000_003) + windows[:, j]
+    return keys
+
+
+class PredictionUsage(NamedTuple):
+    """OpenAI's `completion_tokens_details` for a request with a prediction: of the prediction's
+    tokens, those the output used in order (where the cursor stood, or rejoined), and the rest."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+def prediction_usage(prediction: Sequence[int], output: Sequence[int]) -> PredictionUsage:
+    cursor = PredictionCursor(prediction)
+    cursor.follow(output)
+    return PredictionUsage(cursor.used, len(cursor.tokens) - cursor.used)
