@@ -160,6 +160,11 @@ def test_the_front_end_tokenizes_a_prediction_into_the_requests_xargs_or_names_w
     assert _take_prediction(fake_serving(), request({"type": "content", "content": "x" * 9}))[0] == "prediction"
     assert _take_prediction(fake_serving(), request({"type": "content", "content": "x"}, n=2))[0] == "n"
     assert _take_prediction(fake_serving(), request("abc"))[0] == "prediction"
+    several = request({"type": "content", "content": "x"})
+    several.prompt = ["first prompt", "second prompt"]  # one prediction would serve both
+    assert _take_prediction(fake_serving(), several)[0] == "prompt"
+    several.prompt = [1, 2, 3]  # one prompt, as token ids
+    assert _take_prediction(fake_serving(), several) is None
     forged = request(None, xargs={PREDICTION_KEY: [1, 2]})
     assert _take_prediction(fake_serving(), forged)[0] == "vllm_xargs"
     empty = request({"type": "content", "content": ""})
