@@ -110,7 +110,7 @@ def test_tensor_parallel_ranks_take_identical_decisions(
         # Rank 1 alone reaches its fault limit: both ranks switch off in the same step, without
         # hanging, and serve on as plain decoding.
         def limit_reached_on_rank_1(worker):  # nested, so pickled by value into the workers
-            from vllm_selfspec.vllm_compat.draft_forward import tensor_parallel_rank
+            from vllm_selfspec.vllm_integration.draft_forward import tensor_parallel_rank
 
             if tensor_parallel_rank() == 1:
                 worker.model_runner.drafter.fail_safe.switch_off_wanted = True

@@ -297,7 +297,7 @@ def test_one_request_that_makes_drafting_fault_resent_costs_only_its_own_drafts(
 def test_each_test_switch_says_at_start_up_what_it_breaks(monkeypatch, caplog):
     """Fault injection and the unpatched CPU sampler are for tests; a server that carries either
     says so in one WARNING."""
-    from vllm_selfspec.vllm_compat import cpu_fixes
+    from vllm_selfspec.vllm_integration import cpu_fixes
 
     monkeypatch.setenv(INJECT_ENV, "draft@every")
     monkeypatch.setenv(cpu_fixes.UNPATCHED_SAMPLER_ENV, "1")

@@ -13,7 +13,7 @@ import pytest
 
 from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens, SchedulerNote, note_of
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
-from vllm_selfspec.vllm_compat.scheduler_queue import schedule_for_first_tokens
+from vllm_selfspec.vllm_integration.scheduler_queue import schedule_for_first_tokens
 
 
 def waiting(output) -> int:
@@ -148,7 +148,7 @@ def step_view(rows):
     """A StepView over fake runner state: rows of (max_tokens, tokens out, sampled, params)."""
     from vllm.sampling_params import SamplingParams
 
-    from vllm_selfspec.vllm_compat.runner_state import StepView
+    from vllm_selfspec.vllm_integration.runner_state import StepView
 
     requests = {}
     for i, (max_tokens, out, _, extra) in enumerate(rows):

@@ -145,7 +145,7 @@ def test_pipeline_parallel_is_refused(tiny_model_path):
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_selfspec.vllm_compat.front_door import check_supported
+    from vllm_selfspec.vllm_integration.front_door import check_supported
 
     model_config = EngineArgs(model=str(tiny_model_path)).create_model_config()
     parallel = ParallelConfig(pipeline_parallel_size=2)
@@ -196,7 +196,7 @@ def test_sliding_windows_context_parallelism_and_quantization_are_refused(tiny_m
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_selfspec.vllm_compat.front_door import unsupported_reasons
+    from vllm_selfspec.vllm_integration.front_door import unsupported_reasons
 
     args = EngineArgs(model=str(tiny_model_path))
     model_config = args.create_model_config()

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""The package's shape, which a newcomer reads first: no import circles, only `vllm_compat`
+"""The package's shape, which a newcomer reads first: no import circles, only `vllm_integration`
 imports vLLM, the design doc's layout lists every module, and no class or function grows past
 what can be read at once."""
 
@@ -91,9 +91,9 @@ def test_the_cycle_finder_finds_a_circle():  # what would make the test above fa
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_only_vllm_compat_imports_vllm():
+def test_only_vllm_integration_imports_vllm():
     for name, path in modules().items():
-        if name.startswith("vllm_selfspec.vllm_compat"):
+        if name.startswith("vllm_selfspec.vllm_integration"):
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -104,14 +104,14 @@ def test_only_vllm_compat_imports_vllm():
 
 
 def test_the_design_docs_layout_lists_every_module():
-    """The layout block lists the modules; those of `vllm_compat/` may be in the patch table."""
+    """The layout block lists the modules; those of `vllm_integration/` may be in the patch table."""
     design = (ROOT / "docs" / "design.md").read_text()
     layout = design.split("## Code layout", 1)[1]
     patch_table = design.split("## vLLM patches", 1)[1].split("## ", 1)[0]
     for path in modules().values():
         if path.name == "__init__.py":
             continue  # a package is listed by its folder
-        where = patch_table + layout if path.parent.name == "vllm_compat" else layout
+        where = patch_table + layout if path.parent.name == "vllm_integration" else layout
         assert re.search(rf"\b{re.escape(path.name)}\b", where), f"docs/design.md's layout does not list {path.name}"
 
 
@@ -142,7 +142,7 @@ def test_pure_parts_import_no_torch(name):
 
 def test_one_module_sets_an_attribute_on_vllms_objects_and_only_through_the_note():
     """The scheduler-worker contract has one owner (`first_tokens`): nothing else hangs loose
-    names on vLLM's objects (patches go through `vllm_compat.patching`)."""
+    names on vLLM's objects (patches go through `vllm_integration.patching`)."""
     setters = [
         str(path.relative_to(PACKAGE))
         for path in modules().values()

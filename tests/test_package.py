@@ -173,7 +173,7 @@ needs_vllm = pytest.mark.skipif(installed_vllm() is None, reason=f"vLLM {PATCHED
 def test_every_fix_has_a_patch_and_a_row_in_the_readme():
     readme = (ROOT / "patches" / "README.md").read_text()
     assert PATCHES and all(f"`{p.name}`" in readme for p in PATCHES)
-    cpu_fixes = (ROOT / PACKAGE / "vllm_compat" / "cpu_fixes.py").read_text()
+    cpu_fixes = (ROOT / PACKAGE / "vllm_integration" / "cpu_fixes.py").read_text()
     for name in re.findall(r"^def fix_(\w+)\(", cpu_fixes, flags=re.MULTILINE):
         assert (ROOT / "patches" / f"{name}.patch").exists(), f"no patch for cpu_fixes.fix_{name}"
 
@@ -195,7 +195,7 @@ def test_all_patches_apply_together(tmp_path):
 def test_the_expand_kernel_patch_expands_as_the_runtime_fix_does(tmp_path):
     import torch
 
-    from vllm_selfspec.vllm_compat.cpu_fixes import expand_batch_to_tokens_impl
+    from vllm_selfspec.vllm_integration.cpu_fixes import expand_batch_to_tokens_impl
 
     apply([ROOT / "patches" / "expand_kernel.patch"], installed_vllm(), tmp_path)
     patched = {}

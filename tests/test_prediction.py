@@ -149,7 +149,7 @@ def test_the_front_end_tokenizes_a_prediction_into_the_requests_xargs_or_names_w
     from types import SimpleNamespace
 
     from vllm_selfspec.prediction import PREDICTION_KEY
-    from vllm_selfspec.vllm_compat.predicted_outputs import _take_prediction
+    from vllm_selfspec.vllm_integration.predicted_outputs import _take_prediction
 
     def request(prediction, n=1, xargs=None):
         return SimpleNamespace(model_extra={"prediction": prediction}, n=n, vllm_xargs=xargs)
@@ -176,7 +176,7 @@ def test_the_front_end_tokenizes_a_prediction_into_the_requests_xargs_or_names_w
 def test_only_a_streams_final_usage_chunk_gets_the_prediction_counts():
     import json
 
-    from vllm_selfspec.vllm_compat.predicted_outputs import _with_details
+    from vllm_selfspec.vllm_integration.predicted_outputs import _with_details
 
     delta = 'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n'
     assert _with_details(delta, [[1, 2]], [1, 2, 3]) == delta
@@ -214,7 +214,7 @@ def test_the_input_processor_keeps_only_ids_of_the_vocabulary_within_the_cap():
 
     from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH
     from vllm_selfspec.prediction import PREDICTION_KEY, PREDICTION_TEXT_KEY
-    from vllm_selfspec.vllm_compat.predicted_outputs import _tokenized
+    from vllm_selfspec.vllm_integration.predicted_outputs import _tokenized
 
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(method="custom_class", model=PROPOSER_PATH),

@@ -11,7 +11,7 @@ import pytest
 from scipy.stats import chi2_contingency
 from vllm import SamplingParams
 
-from vllm_selfspec.vllm_compat.cpu_fixes import UNPATCHED_SAMPLER_ENV
+from vllm_selfspec.vllm_integration.cpu_fixes import UNPATCHED_SAMPLER_ENV
 
 from conftest import close_llm, make_llm, spec_counters
 
@@ -97,7 +97,7 @@ def test_a_step_without_drafts_is_sampled_as_plain_decoding():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_selfspec.proposer import SelfAdmgProposer
-    from vllm_selfspec.vllm_compat import runner_hook
+    from vllm_selfspec.vllm_integration import runner_hook
 
     runner_hook.install()
     calls = []

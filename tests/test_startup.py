@@ -16,7 +16,7 @@ from vllm_selfspec.options import PROPOSER_PATH, SelfAdmgConfigError
 # scheduler's lookahead and the tenant patch are in place), in a fresh process.
 FAILING_START = r"""
 import json, logging, sys, typing
-import vllm_selfspec.vllm_compat.sampling_params as sampling_params
+import vllm_selfspec.vllm_integration.sampling_params as sampling_params
 
 def broken():
     raise RuntimeError("a patch target moved")
@@ -24,7 +24,7 @@ def broken():
 sampling_params.apply = broken
 from vllm.config import SpeculativeConfig
 from vllm.engine.arg_utils import EngineArgs
-from vllm_selfspec.vllm_compat.patching import applied
+from vllm_selfspec.vllm_integration.patching import applied
 
 engine = dict(model=sys.argv[1], dtype="float32", max_model_len=512)
 plain = EngineArgs(**engine).create_engine_config()  # loads the plugin, which fails to patch
@@ -107,7 +107,7 @@ def test_the_proposer_refuses_to_run_without_its_patches_or_its_front_door(tiny_
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_selfspec.proposer import SelfAdmgProposer
-    from vllm_selfspec.vllm_compat import patching
+    from vllm_selfspec.vllm_integration import patching
 
     engine = dict(model=str(tiny_model_path), dtype="float32", max_model_len=512)
     config = EngineArgs(**engine, speculative_config={"method": "self-admg"}).create_engine_config()

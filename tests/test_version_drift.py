@@ -20,7 +20,7 @@ import json, sys
 import vllm
 vllm.__version__ = "0.33.0"
 from vllm import LLM, SamplingParams
-from vllm_selfspec.vllm_compat.patching import applied
+from vllm_selfspec.vllm_integration.patching import applied
 
 engine = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512,
               seed=0, distributed_executor_backend="uni")

@@ -17,7 +17,7 @@ options are in `vllm_selfspec.options`. The package's parts:
 - control: step costs, acceptance and the plan of how much to draft;
 - fail_safe: a fault in drafting costs a step's drafts on every rank alike, never a request;
 - counters, metrics, worker_extension: what the proposer did, for operators and the lab;
-- vllm_compat: everything that knows vLLM's internals, and every patch.
+- vllm_integration: everything that knows vLLM's internals, and every patch.
 """
 
 from vllm_selfspec.prediction import with_prediction

@@ -300,6 +300,6 @@ def fault_point(stage: str, tokens: np.ndarray | None = None) -> None:
 
 
 def _rank() -> int:
-    from vllm_selfspec.vllm_compat.draft_forward import tensor_parallel_rank
+    from vllm_selfspec.vllm_integration.draft_forward import tensor_parallel_rank
 
     return tensor_parallel_rank()

@@ -6,7 +6,7 @@ A prompt's first token comes out of the step that prefills it, so drafts verifie
 delay it by their verification. Two rules keep it on time in a server (offline batches keep
 their drafts: there a first token is worth nothing before the batch's end):
 - the scheduler withholds the running requests' drafts in a step about to prefill
-  (`vllm_compat.scheduler_queue`, which reads vLLM's queue);
+  (`vllm_integration.scheduler_queue`, which reads vLLM's queue);
 - the worker, which plans the next step's drafts before the scheduler has run it, plans none
   when a prompt waits that the scheduler can admit, and keeps the step close to plain's when a
   request has just ended and its client's next prompt is likely to arrive (`FirstTokenPolicy`,

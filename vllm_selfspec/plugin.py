@@ -20,7 +20,7 @@ def register() -> None:
         return
     _registered = True
     try:
-        from vllm_selfspec.vllm_compat import apply_patches
+        from vllm_selfspec.vllm_integration import apply_patches
 
         apply_patches()
     except Exception as err:  # a plugin must never take plain vLLM down
@@ -39,7 +39,7 @@ def register() -> None:
 
 def _roll_back() -> None:
     try:
-        from vllm_selfspec.vllm_compat import patching
+        from vllm_selfspec.vllm_integration import patching
 
         patching.roll_back()
     except Exception as err:  # the proposer refuses to run in a process without its patches
@@ -48,7 +48,7 @@ def _roll_back() -> None:
 
 def _refuse_self_admg(message: str) -> None:
     try:
-        from vllm_selfspec.vllm_compat import front_door
+        from vllm_selfspec.vllm_integration import front_door
 
         front_door.refuse_self_admg(message)
     except Exception as err:  # even the refusal failed: the proposer still refuses (`patching.complete`)

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """SelfAdmgProposer: vLLM builds it as a `custom_class` proposer in each worker, hands it the
 target model through `load_model`, and calls `propose_for_runner` after every step (through
-`vllm_compat.runner_hook`). One step, `propose_for_runner`:
+`vllm_integration.runner_hook`). One step, `propose_for_runner`:
 
 1. learn: what the step that just ran cost, and how much of each row's draft was accepted;
 2. offer: each row's lookup draft, from its own context or its tenant's earlier outputs;
@@ -34,14 +34,14 @@ from vllm_selfspec.metrics import MetricsPublisher, metrics_snapshot
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, SelfAdmgConfigError, make_options
 from vllm_selfspec.row_lookup import Found, RowLookup
 from vllm_selfspec.self_draft import SelfDrafter
-from vllm_selfspec.vllm_compat import runner_hook
-from vllm_selfspec.vllm_compat.draft_forward import (
+from vllm_selfspec.vllm_integration import runner_hook
+from vllm_selfspec.vllm_integration.draft_forward import (
     DraftForward,
     max_over_ranks,
     same_on_all_ranks,
     tensor_parallel_rank,
 )
-from vllm_selfspec.vllm_compat.runner_state import StepView
+from vllm_selfspec.vllm_integration.runner_state import StepView
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class PreparedStep:
 
 class SelfAdmgProposer(runner_hook.HookedProposer):
     def __init__(self, vllm_config):
-        from vllm_selfspec.vllm_compat.front_door import refusals_of
+        from vllm_selfspec.vllm_integration.front_door import refusals_of
 
         refusals = refusals_of(vllm_config)
         if refusals:

@@ -5,7 +5,7 @@ quarantine, its tenant's history of earlier outputs, and where its output stands
 prediction, if it sent one. The proposer asks `find` for each row's draft in a step: the
 prediction's where the output follows it (the request's own guess of its answer is the best
 source there is), else the best lookup draft; and hands every request that ends to `forget`.
-No vLLM: the step is read through `vllm_compat.runner_state.StepView`.
+No vLLM: the step is read through `vllm_integration.runner_state.StepView`.
 
 A row whose own lookup raises while the others' do not is that request's fault: it is
 quarantined with its prompt (`fail_safe.RequestQuarantine`), drafts no more, and its output is

@@ -29,8 +29,8 @@ from vllm_selfspec.admg import SkipMask, select_skip_mask
 from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.residual_stream import HeadIds, ResidualStream, draft_logits, similarity_sums
-from vllm_selfspec.vllm_compat.draft_forward import DraftForward, same_on_all_ranks
-from vllm_selfspec.vllm_compat.runner_state import StepView
+from vllm_selfspec.vllm_integration.draft_forward import DraftForward, same_on_all_ranks
+from vllm_selfspec.vllm_integration.runner_state import StepView
 
 # A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
 logger = logging.getLogger("vllm.selfspec")

@@ -21,7 +21,7 @@ load a draft token beats the rate many times over, and the margin changes little
 First tokens waiting. A prompt that arrives waits for the step in progress, then for the
 step that prefills it; a step made longer by drafts delays its first token by as much. In a
 server the step that prefills verifies no drafts (the scheduler withholds them,
-`vllm_compat.scheduler_queue`), and when a prompt is expected to wait for the step planned
+`vllm_integration.scheduler_queue`), and when a prompt is expected to wait for the step planned
 (a request just ended: clients that hold a number of requests in flight send the next one at
 once), that step may be at most FIRST_TOKEN_SLACK longer than plain decoding's
 (`prompts_waiting`). At light load a prompt arrives at a random moment, unforeseen, and waits

@@ -37,8 +37,8 @@ from vllm_selfspec.prediction import (
     prediction_text,
     prediction_usage,
 )
-from vllm_selfspec.vllm_compat.patching import original, patch
-from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
+from vllm_selfspec.vllm_integration.patching import original, patch
+from vllm_selfspec.vllm_integration.scheduler_lookahead import is_self_admg_config
 
 logger = logging.getLogger("vllm.selfspec")
 _warned_ignored = False

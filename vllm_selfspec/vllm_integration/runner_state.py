@@ -80,7 +80,7 @@ class StepView:
     @functools.cached_property
     def rows(self) -> list[StepRow]:
         """Rows that sampled a token this step (a partial prefill samples none)."""
-        from vllm_selfspec.vllm_compat.sampling_params import needs_plain_sampling
+        from vllm_selfspec.vllm_integration.sampling_params import needs_plain_sampling
 
         rows = []
         for i, tokens in enumerate(self.sampled_token_ids):

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.first_tokens import SchedulerNote, attach_note, salt_digest
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
-from vllm_selfspec.vllm_compat.patching import original, patch
-from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
+from vllm_selfspec.vllm_integration.patching import original, patch
+from vllm_selfspec.vllm_integration.scheduler_lookahead import is_self_admg_config
 
 logger = logging.getLogger(__name__)
 

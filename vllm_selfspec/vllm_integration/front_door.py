@@ -36,7 +36,7 @@ from vllm_selfspec.options import (
     is_self_admg,
     parse_speculative_config,
 )
-from vllm_selfspec.vllm_compat.patching import after_roll_back, original, patch
+from vllm_selfspec.vllm_integration.patching import after_roll_back, original, patch
 
 logger = logging.getLogger("vllm.selfspec")
 
@@ -128,9 +128,9 @@ def refusals_of(vllm_config) -> list[str]:
     start-up gets around the front door's checks."""
     from types import SimpleNamespace
 
-    from vllm_selfspec.vllm_compat import patching
-    from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
-    from vllm_selfspec.vllm_compat.version import installed_vllm_version, is_supported_vllm, unsupported_message
+    from vllm_selfspec.vllm_integration import patching
+    from vllm_selfspec.vllm_integration.scheduler_lookahead import is_self_admg_config
+    from vllm_selfspec.vllm_integration.version import installed_vllm_version, is_supported_vllm, unsupported_message
 
     version = installed_vllm_version()
     if not is_supported_vllm(version):
@@ -371,7 +371,7 @@ def _serve_predictions() -> None:
     """A server has imported its OpenAI serving layer by the time it builds an engine's config:
     take `prediction` there (`predicted_outputs`), if the plugin's start-up could not yet."""
     try:
-        from vllm_selfspec.vllm_compat import predicted_outputs
+        from vllm_selfspec.vllm_integration import predicted_outputs
 
         predicted_outputs.apply_to_serving()
     except Exception as err:  # predictions are then ignored, as vLLM ignores unknown fields

@@ -11,8 +11,8 @@ request), which applies every logits processor as plain decoding does. For a sel
 then, the check lets them through and the runner gets vLLM's built-in processors.
 """
 
-from vllm_selfspec.vllm_compat.patching import original, patch
-from vllm_selfspec.vllm_compat.scheduler_lookahead import is_self_admg_config
+from vllm_selfspec.vllm_integration.patching import original, patch
+from vllm_selfspec.vllm_integration.scheduler_lookahead import is_self_admg_config
 
 
 def apply() -> None:

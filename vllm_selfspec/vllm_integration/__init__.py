@@ -32,7 +32,7 @@ def apply_patches() -> bool:
     version they were not written for, none is applied (plain vLLM runs as if the plugin were
     absent, its CPU bugs included) and only a request for self-admg is refused. Whether every
     patch was applied."""
-    from vllm_selfspec.vllm_compat import (
+    from vllm_selfspec.vllm_integration import (
         cpu_fixes,
         front_door,
         patching,
@@ -41,7 +41,7 @@ def apply_patches() -> bool:
         scheduler_lookahead,
         scheduler_queue,
     )
-    from vllm_selfspec.vllm_compat.version import (
+    from vllm_selfspec.vllm_integration.version import (
         SUPPORTED_VLLM_VERSION,
         installed_vllm_version,
         is_supported_vllm,

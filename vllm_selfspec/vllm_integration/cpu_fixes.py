@@ -33,7 +33,7 @@ import os
 import numpy as np
 import torch
 
-from vllm_selfspec.vllm_compat.patching import original, patch
+from vllm_selfspec.vllm_integration.patching import original, patch
 
 # Testing only: leave the expand-kernel bug in place, to show that the statistical test
 # catches it (tests/test_sampling.py).

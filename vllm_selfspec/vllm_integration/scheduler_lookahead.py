@@ -8,7 +8,7 @@ q..q+K-1 would have no slots. The scheduler and the worker warm-up both read thi
 """
 
 from vllm_selfspec.options import PROPOSER_PATH
-from vllm_selfspec.vllm_compat.patching import patch
+from vllm_selfspec.vllm_integration.patching import patch
 
 
 def is_self_admg_config(speculative_config) -> bool:

@@ -33,7 +33,7 @@ Installed from the proposer's constructor, so only worker processes import the r
 
 from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.first_tokens import note_of
-from vllm_selfspec.vllm_compat.patching import original, patch
+from vllm_selfspec.vllm_integration.patching import original, patch
 
 
 class HookedProposer:
