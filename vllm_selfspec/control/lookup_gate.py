@@ -15,10 +15,12 @@ by the tensor-parallel ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-FIRST_RETRY_AFTER = 16  # steps without lookup before one is tried again; doubles after each
-LAST_RETRY_AFTER = 1024
+from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
+
+__all__ = ["FIRST_RETRY_AFTER", "MIN_ROW_LOOKUPS", "LookupGate"]
+
 MIN_ROW_LOOKUPS = 64  # row lookups measured before the gate ever closes
 
 
@@ -29,8 +31,7 @@ class LookupGate:
     seconds: float = 0.0  # that they took
     accepted: float = 0.0  # lookup tokens verification accepted of their drafts
     samples: int = 0
-    retry_after: int = FIRST_RETRY_AFTER
-    steps_closed: int = 0
+    backoff: Backoff = field(default_factory=Backoff)  # while closed: when to look up again
 
     def observe_lookup(self, rows: int, seconds: float) -> None:
         self.row_lookups = self.row_lookups * self.decay + rows
@@ -55,14 +56,13 @@ class LookupGate:
         if seconds_per_token is None or self.samples < MIN_ROW_LOOKUPS:
             return True  # still measuring (the back-off stands)
         if self.pays(seconds_per_token):
-            self.steps_closed, self.retry_after = 0, FIRST_RETRY_AFTER
+            self.backoff.in_use()
             return True
-        self.steps_closed += 1
-        if self.steps_closed < self.retry_after:
+        if not self.backoff.due():
             return False
         # A retry measures afresh (at least MIN_ROW_LOOKUPS of them) rather than against what
         # made the gate close, which may since have left the batch.
-        self.steps_closed, self.retry_after = 0, min(2 * self.retry_after, LAST_RETRY_AFTER)
+        self.backoff.retried()
         self.row_lookups = self.seconds = self.accepted = 0.0
         self.samples = 0
         return True

@@ -63,13 +63,13 @@ import math
 from dataclasses import dataclass, field
 
 from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, token_bins
+from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
 from vllm_selfspec.control.step_costs import StepCostModel
 
 DRAFT_MARGIN = 0.2  # a draft token's gain per second must beat the step's rate by this share
 FIRST_TOKEN_SLACK = 0.05  # how much longer than plain's a step a new prompt waits for may be
 ROW_SLACK = 0.05  # how much below plain decoding's rate the plan may leave any row
-FIRST_RETRY_AFTER = 16  # steps without self-drafting before a retry; doubles after each
-LAST_RETRY_AFTER = 1024
+__all__ = ["FIRST_RETRY_AFTER", "DraftPlan", "DraftPlanner", "RowOffer"]
 
 
 @dataclass
@@ -189,9 +189,8 @@ class RowProtection:
 class DraftPlanner:
     costs: StepCostModel
     acceptance: AcceptanceModel
-    retry_after: int = FIRST_RETRY_AFTER
+    retries: Backoff = field(default_factory=Backoff)  # of self-drafts, while none is made
     protect_rows: bool = True  # the per-row rule; False: the batch's throughput (objective)
-    _idle_steps: int = 0
 
     def plan(
         self, offers: list[RowOffer], self_budget: int, draining: bool = False, prompts_waiting: bool = False
@@ -216,7 +215,7 @@ class DraftPlanner:
         if prompts_waiting:  # a probe costs a few target steps, past any slack: measured rows only
             self_rows = [i for i in self_rows if offers[i].has_mask]
         if draining and len(offers) > 1:  # (one row's end is the batch's: the steady plan is that)
-            choice = self._drain(offers, gains, cost, step.t0, step.t_verify, self_budget)
+            choice = draining_choice(offers, gains, cost, step, self_budget, self.acceptance.self_rate, self.costs)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
             # step, on up to K/(K+1) of the steps left to the batch's end.
             self_step = self.costs.self_step_seconds(len(self_rows))
@@ -227,7 +226,7 @@ class DraftPlanner:
         if self_rows and choice.self_length == 0 and self_budget and not prompts_waiting:
             explored = self._maybe_retry(offers, self_rows, choice, self_budget)
         elif choice.self_length > 0:
-            self._idle_steps, self.retry_after = 0, FIRST_RETRY_AFTER
+            self.retries.in_use()
         return DraftPlan(
             choice.lookup_lengths, choice.self_length, explored, [i in choice.self_rows for i in range(len(offers))]
         )
@@ -294,14 +293,12 @@ class DraftPlanner:
     def _maybe_retry(self, offers, self_rows, choice: Choice, self_budget: int) -> bool:
         """Turn `choice` into a one-step self-draft retry when one is due and could pay: with
         the rows that have a mask, or else one new row (one probe)."""
-        self._idle_steps += 1
         retry_rows = {i for i in self_rows if offers[i].has_mask} or {self_rows[0]}
-        if self._idle_steps < self.retry_after or not self._retry_pays(
+        if not self.retries.due() or not self._retry_pays(
             offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)
         ):
             return False
-        self._idle_steps = 0
-        self.retry_after = min(2 * self.retry_after, LAST_RETRY_AFTER)
+        self.retries.retried()
         choice.self_length, choice.self_rows = 1, retry_rows
         choice.lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(choice.lookup_lengths)]
         return True
@@ -379,44 +376,43 @@ class DraftPlanner:
         choice.tokens, choice.seconds = tokens, seconds
         return choice
 
-    def _drain(self, offers, gains, cost, t0, t_verify, self_budget) -> Choice:
-        """The plan that brings a draining batch's end nearest, net of what it costs (module
-        docstring): every row drafts to a common finish line r steps nearer, lookup where its
-        draft is long enough, else self-draft; the best r, or no draft."""
-        left = [o.tokens_left for o in offers]
-        # Tokens ahead of the last rows (rows without a limit are level with each other).
-        lead = [0 if r == max(left) else max(left) - r for r in left]
-        a_self, measured = self.acceptance.self_rate, self.costs.self_step_measured
-        best_net, best = 0.0, Choice([0] * len(offers))
-        for finish in range(1, max(max(o.lookup_tokens for o in offers), self_budget) + 1):
-            need = [max(0, finish - d) for d in lead]  # a row d tokens ahead needs finish - d
-            lengths, self_rows, survival = [0] * len(offers), set(), []  # survival: P(accepted >= j)
-            for i, (o, n) in enumerate(zip(offers, need)):
-                if n and o.lookup_tokens >= n:
-                    lengths[i] = n
-                    survival.append(gains[i][:n])
-                elif n and o.can_self_draft and measured and self_budget >= n:
-                    self_rows.add(i)
-                    survival.append([a_self**j for j in range(1, n + 1)])
-                elif n:
-                    break  # this row cannot reach the line: the batch cannot end sooner by it
-                else:
-                    survival.append([])
+
+def draining_choice(offers, gains, cost, step, self_budget, a_self: float, costs: StepCostModel) -> Choice:
+    """The plan that brings a draining batch's end nearest, net of what it costs (module
+    docstring): every row drafts to a common finish line r steps nearer, lookup where its
+    draft is long enough, else self-draft; the best r, or no draft."""
+    left = [o.tokens_left for o in offers]
+    # Tokens ahead of the last rows (rows without a limit are level with each other).
+    lead = [0 if r == max(left) else max(left) - r for r in left]
+    t0, t_verify, measured = step.t0, step.t_verify, costs.self_step_measured
+    best_net, best = 0.0, Choice([0] * len(offers))
+    for finish in range(1, max(max(o.lookup_tokens for o in offers), self_budget) + 1):
+        need = [max(0, finish - d) for d in lead]  # a row d tokens ahead needs finish - d
+        lengths, self_rows, survival = [0] * len(offers), set(), []  # survival: P(accepted >= j)
+        for i, (o, n) in enumerate(zip(offers, need)):
+            if n and o.lookup_tokens >= n:
+                lengths[i] = n
+                survival.append(gains[i][:n])
+            elif n and o.can_self_draft and measured and self_budget >= n:
+                self_rows.add(i)
+                survival.append([a_self**j for j in range(1, n + 1)])
+            elif n:
+                break  # this row cannot reach the line: the batch cannot end sooner by it
             else:
-                # E[min over rows of (lead + accepted)], counted in whole tokens up to the line.
-                nearer = sum(
-                    math.prod(
-                        1.0 if y <= d else (s[y - d - 1] if y - d <= len(s) else 0.0) for d, s in zip(lead, survival)
-                    )
-                    for y in range(1, finish + 1)
-                )
-                saved = t0 * nearer + sum(c * sum(s) for c, s in zip(cost, survival))
-                self_length = max((need[i] for i in self_rows), default=0)
-                spent = (
-                    t_verify
-                    + sum(c * n for c, n in zip(cost, need))
-                    + self_length * self.costs.self_step_seconds(len(self_rows))
-                )
-                if saved - spent > best_net:
-                    best_net, best = saved - spent, Choice(lengths, self_length, self_rows)
-        return best
+                survival.append([])
+        else:
+            # E[min over rows of (lead + accepted)], counted in whole tokens up to the line.
+            nearer = sum(
+                math.prod(1.0 if y <= d else (s[y - d - 1] if y - d <= len(s) else 0.0) for d, s in zip(lead, survival))
+                for y in range(1, finish + 1)
+            )
+            saved = t0 * nearer + sum(c * sum(s) for c, s in zip(cost, survival))
+            self_length = max((need[i] for i in self_rows), default=0)
+            spent = (
+                t_verify
+                + sum(c * n for c, n in zip(cost, need))
+                + self_length * costs.self_step_seconds(len(self_rows))
+            )
+            if saved - spent > best_net:
+                best_net, best = saved - spent, Choice(lengths, self_length, self_rows)
+    return best
