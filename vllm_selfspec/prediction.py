@@ -148,6 +148,19 @@ class PredictionUsage(NamedTuple):
     rejected_prediction_tokens: int
 
 
+def in_vocabulary(ids, vocab_size: int) -> bool:
+    """Whether `ids` is a list of token ids of a vocabulary of `vocab_size` (a prediction that
+    came from a client is checked before a draft is made of it: an id past the vocabulary would
+    fault the model's embedding)."""
+    return isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab_size for t in ids)
+
+
+def total_usage(prediction: Sequence[int], outputs: Sequence[Sequence[int]]) -> PredictionUsage:
+    """The usage of one prediction over a request's choices, summed."""
+    counts = [prediction_usage(prediction, output) for output in outputs]
+    return PredictionUsage(*(sum(column) for column in zip(*counts))) if counts else PredictionUsage(0, 0)
+
+
 def prediction_usage(prediction: Sequence[int], output: Sequence[int]) -> PredictionUsage:
     cursor = PredictionCursor(prediction)
     cursor.follow(output)

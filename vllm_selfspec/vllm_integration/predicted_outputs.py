@@ -34,8 +34,9 @@ from vllm_selfspec.prediction import (
     PREDICTION_KEY,
     PREDICTION_TEXT_KEY,
     PredictionError,
+    in_vocabulary,
     prediction_text,
-    prediction_usage,
+    total_usage,
 )
 from vllm_selfspec.vllm_integration.patching import original, patch
 from vllm_selfspec.vllm_integration.scheduler_lookahead import is_self_admg_config
@@ -192,7 +193,7 @@ def _tokenized(processor, extra: dict) -> dict:
     if PREDICTION_TEXT_KEY in extra:
         ids = processor.get_tokenizer().encode(extra[PREDICTION_TEXT_KEY], add_special_tokens=False)
     limit, vocab = max_prediction_tokens(config), config.model_config.get_vocab_size()
-    if not isinstance(ids, list) or len(ids) > limit or not all(type(t) is int and 0 <= t < vocab for t in ids):
+    if not in_vocabulary(ids, vocab) or len(ids) > limit:
         raise VLLMValidationError(
             f"a prediction is at most {limit} token ids of this model's vocabulary", parameter="prediction"
         )
@@ -210,12 +211,10 @@ def _details(usage, outputs_token_ids, prediction) -> None:
     """Set the prediction counts in `usage` (summed over the choices), keeping what is there."""
     from vllm.entrypoints.serve.engine.protocol import CompletionTokenUsageInfo
 
-    counts = [prediction_usage(prediction, ids) for ids in outputs_token_ids]
     details = usage.completion_tokens_details
     usage.completion_tokens_details = CompletionTokenUsageInfo(
         reasoning_tokens=getattr(details, "reasoning_tokens", 0) or 0,
-        accepted_prediction_tokens=sum(c.accepted_prediction_tokens for c in counts),
-        rejected_prediction_tokens=sum(c.rejected_prediction_tokens for c in counts),
+        **total_usage(prediction, outputs_token_ids)._asdict(),
     )
 
 
@@ -289,9 +288,6 @@ def _with_details(chunk: str, outputs_token_ids: list[list[int]], prediction: li
     data = json.loads(chunk[len("data: ") :])
     if data.get("choices") or not data.get("usage"):
         return chunk
-    counts = [prediction_usage(prediction, ids) for ids in outputs_token_ids]
     details = data["usage"].get("completion_tokens_details") or {}
-    details["accepted_prediction_tokens"] = sum(c.accepted_prediction_tokens for c in counts)
-    details["rejected_prediction_tokens"] = sum(c.rejected_prediction_tokens for c in counts)
-    data["usage"]["completion_tokens_details"] = details
+    data["usage"]["completion_tokens_details"] = {**details, **total_usage(prediction, outputs_token_ids)._asdict()}
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

@@ -146,14 +146,12 @@ class StepView:
         """The token ids of the request's prediction (`vllm_selfspec.prediction`), at most
         `limit` of them; None without one, or if any is not a token of the model's vocabulary
         (the front end refuses such ids; a request that came another way is not trusted)."""
-        from vllm_selfspec.prediction import PREDICTION_KEY
+        from vllm_selfspec.prediction import PREDICTION_KEY, in_vocabulary
 
         params = self.runner.requests[self.req_ids[row]].sampling_params
         ids = (getattr(params, "extra_args", None) or {}).get(PREDICTION_KEY)
-        vocab = self.runner.model_config.get_vocab_size()
-        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids[:limit]):
-            return None
-        return ids[:limit]
+        ids = ids[:limit] if isinstance(ids, list) else None
+        return ids if in_vocabulary(ids, self.runner.model_config.get_vocab_size()) else None
 
     def prompt_of(self, req_id: str) -> np.ndarray | None:
         """A live request's prompt by id (None if the runner no longer holds it)."""
