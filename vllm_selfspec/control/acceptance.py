@@ -13,7 +13,7 @@ the planner chose by them (`EstimateCalibration`). Choosing the best of many noi
 picks those estimated too high, the more so the more rows a step has to choose among: served
 SmolLM2's drafts were accepted 0.89-1.03x as often as estimated at one row a step, and
 0.85-0.89x at 16, where drafts the planner took as paying by its margin only broke even
-(benchmarks/NOTES.md at 4c131f8, "Lookup estimates scaled by what verification bears out").
+(benchmarks/NOTES.md, entry 26).
 """
 
 from __future__ import annotations
