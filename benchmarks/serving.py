@@ -53,6 +53,7 @@ from pathlib import Path
 from benchmarks.engine import CORES_ENV_VAR
 from benchmarks.output import default_out
 from benchmarks.serve_load import VLLM, VllmServer, server_flags
+from vllm_selfspec.counters import PROPOSER_PARTS
 
 WARMUP_REQUESTS = 8
 # "own": the user's prompts (--prompts-file), to decide for their own workload (--decide).
@@ -102,6 +103,15 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     "propose_ms_per_step": lambda p: (
         1000 * p["propose_seconds"] / p["propose_calls"] if p.get("propose_calls") else None
     ),
+    # ... and by part (vllm_selfspec.counters.PROPOSER_PARTS): where it goes.
+    **{
+        f"propose_ms_{part}": lambda p, part=part: (
+            1000 * p["part_seconds"][part] / p["propose_calls"]
+            if p.get("part_seconds") and p.get("propose_calls")
+            else None
+        )
+        for part in PROPOSER_PARTS
+    },
     # Lookup tokens accepted over those the planner expected to be: below 1, it drafts on
     # hopes that verification does not bear out.
     "lookup_accepted_x_expected": lambda p: (
@@ -551,7 +561,11 @@ def runs_from_folder(out: Path) -> list[Run]:
 def spent(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
-    return {key: round(after[key] - before[key], 3) for key in PROPOSER_COUNTERS}
+    spent_ = {key: round(after[key] - before[key], 3) for key in PROPOSER_COUNTERS}
+    if "part_seconds" in after:  # (servers from before the proposer's time was split by part)
+        begun, ended = before.get("part_seconds", {}), after["part_seconds"]
+        spent_["part_seconds"] = {p: round(ended.get(p, 0) - begun.get(p, 0), 4) for p in PROPOSER_PARTS}
+    return spent_
 
 
 def load_slices(server: VllmServer, workload: str, plan: Plan, args, tokenizer) -> list[list[str]]:

@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import serving
 from benchmarks.serving import LoadPoint, Run, Server
+from vllm_selfspec.counters import PROPOSER_PARTS
 
 
 def run(server, point, round_=0, workload="code", default_cores=False, slot=0, **result):
@@ -258,12 +259,14 @@ def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
         "propose_calls": 200,
         "propose_seconds": 0.5,
     }
+    after["part_seconds"] = {"look_up": 0.2, "plan": 0.1}
     assert serving.spent(before, after) == dict.fromkeys(serving.PROPOSER_COUNTERS, 0) | {
         "probe_seconds": 2.5,
         "draft_tokens": 30,
         "draft_seconds": 0.25,
         "propose_calls": 200,
         "propose_seconds": 0.5,
+        "part_seconds": dict.fromkeys(PROPOSER_PARTS, 0) | {"look_up": 0.2, "plan": 0.1},
     }
     assert serving.spent(None, after) is None
     point = LoadPoint("max", math.inf, 4)
@@ -272,6 +275,7 @@ def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
     rows = {r["server"]: r for r in serving.summarize(runs)}
     assert rows["self-admg"]["probe_s"] == 2.5 and rows["plain"]["probe_s"] is None
     assert rows["self-admg"]["propose_ms_per_step"] == 2.5  # 0.5 s over 200 steps
+    assert rows["self-admg"]["propose_ms_look_up"] == 1.0 and rows["self-admg"]["propose_ms_learn"] == 0
     # A folder from before the proposer counted its own time reads as not counted.
     runs[1].proposer = {"probe_seconds": 1.0, "draft_seconds": 0.0, "draft_tokens": 0}
     rows = {r["server"]: r for r in serving.summarize(runs)}
@@ -496,6 +500,43 @@ def test_prefill_steps_reads_vllms_step_log_and_matches_like_steps(tmp_path):
         [prefill_steps.Step(1, 1521, 14, 900.0)],  # one prompt: another phase
     ]
     assert prefill_steps.like(wave, plain) == [plain[0][1]]
+
+
+def test_request_losses_split_a_slower_requests_time_into_prefill_steps_and_the_rest(tmp_path, capsys):
+    from benchmarks.diagnostics import request_losses
+
+    def result(gaps: list[list[float]]) -> dict:
+        return {
+            "itls": gaps,
+            "ttfts": [0.0] * len(gaps),
+            "latencies": [sum(g) for g in gaps],
+            "output_lens": [len(g) + 1 for g in gaps],
+            "input_lens": [100] * len(gaps),
+            "completed": len(gaps),
+            "failed": 0,
+            "request_rate": "inf",
+        }
+
+    # Plain: 10 ms gaps. The method: request 0 meets a 500 ms prefill step, request 1's steps
+    # are each 2 ms slower (its neighbours' drafts), request 2 is faster, request 3 failed.
+    plain = result([[0.01] * 10, [0.01] * 10, [0.01] * 10, [0.01] * 10])
+    method = result([[0.01] * 9 + [0.5], [0.012] * 10, [0.005] * 10, []])
+    rows = {row["request"]: row for row in request_losses.losses(method, plain, prefill_gap=4)}
+    assert rows[0]["lost_in_prefill_steps_s"] == pytest.approx(0.5) and rows[0][
+        "lost_in_other_steps_s"
+    ] == pytest.approx(-0.01)
+    assert rows[1]["lost_in_prefill_steps_s"] == 0 and rows[1]["lost_in_other_steps_s"] == pytest.approx(0.02)
+    assert [row["request"] for row in request_losses.losses(method, plain, 4)] == [0, 1, 2]  # slowest first
+    # A folder: each run against the round's other plain runs, plain against plain too.
+    (tmp_path / "raw").mkdir()
+    for name, data in (("r0-0-plain-repeated+chat-max", plain), ("r0-1-self-admg-repeated+chat-max", method)):
+        (tmp_path / "raw" / f"{name}.json").write_text(json.dumps(data))
+    (tmp_path / "raw" / "r0-1-self-admg-repeated+chat-max-steps.json").write_text("[]")
+    request_losses.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "round 0 self-admg (slot 1) against plain (slot 0), repeated+chat max: 2/3 requests slower" in out
+    assert "round 0 plain (slot 0) against plain" not in out  # no other plain run in the round
+    assert "0.50 s in steps with a prefill, 0.01 s in the others" in out
 
 
 def test_verdicts_say_faster_or_slower_only_beyond_plains_own_spread():

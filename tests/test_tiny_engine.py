@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 
-from vllm_selfspec.counters import prompt_key
+from vllm_selfspec.counters import PROPOSER_PARTS, prompt_key
 from vllm_selfspec.options import SelfAdmgOptions
 
 from conftest import (
@@ -233,6 +233,10 @@ def test_a_wait_for_requests_is_not_charged_to_the_next_step(admg_mixed, tiny_pr
     assert 0 < report["steps_timed"] - timed_before <= len(seconds) <= report["steps_timed"]
     # The proposer's own time is counted apart, every step.
     assert report["propose_calls"] >= len(seconds) and report["propose_seconds"] > 0
+    # ... and split by part, the parts adding up to it (what is outside them: a few calls).
+    parts = report["part_seconds"]
+    assert set(parts) == set(PROPOSER_PARTS) and min(parts.values()) > 0, parts
+    assert 0.9 * report["propose_seconds"] <= sum(parts.values()) <= report["propose_seconds"], parts
 
 
 def test_compiled_target_engine(tiny_model_path, tiny_prompt_ids, plain_ids):

@@ -6,10 +6,14 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+# The parts of a step's proposer time, in the order they run (`PartClock`).
+PROPOSER_PARTS = ("read_step", "learn", "look_up", "plan", "agree", "draft")
 
 
 @dataclass
@@ -26,6 +30,9 @@ class ProposerCounters:
     draft_seconds: float = 0.0
     propose_calls: int = 0  # steps the proposer was asked for drafts
     propose_seconds: float = 0.0  # its own time in them, probes and self-drafts included
+    # The same by part: read_step (vLLM's state), learn, look_up, plan, agree (the ranks'
+    # all-reduce) and draft (lookup drafts handed over, self-drafts): where a step's time goes.
+    part_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROPOSER_PARTS, 0.0))
     lookup_tokens: int = 0  # from lookup, own context or history
     history_tokens: int = 0  # of which from earlier requests' outputs
     context_tokens: int = 0  # and from the request's own context
@@ -52,3 +59,16 @@ class ProposerCounters:
 def prompt_key(prompt_token_ids) -> str:
     """A short, stable name for a prompt's token ids (to match measurements to prompts)."""
     return hashlib.blake2b(np.asarray(prompt_token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+
+
+class PartClock:
+    """Splits a step's proposer time into parts: each lap adds the time since the one before
+    (or since the clock started) to its part in `seconds`."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds, self.last = seconds, time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
+        self.last = now

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_selfspec.control import DraftController, DraftPlan, RowOffer
-from vllm_selfspec.counters import ProposerCounters
+from vllm_selfspec.counters import PartClock, ProposerCounters
 from vllm_selfspec.fail_safe import FailSafe, fault_point, warn_if_injecting
 from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens, SchedulerNote
 from vllm_selfspec.learning import StepLessons
@@ -113,7 +113,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
         Its time is on every step's critical path, drafting or not, so it is counted."""
         start = time.perf_counter()
-        rows = len(sampled_token_ids)
+        rows, self._clock = len(sampled_token_ids), PartClock(self.counters.part_seconds)
         try:
             self.fail_safe.tick()
             if self.fail_safe.disabled:
@@ -122,8 +122,10 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
             prepared = self.fail_safe.attempt(lambda: self._prepare(step))
             warmed_up = self.self_drafter is not None and self.self_drafter.warmed_up
             votes = (int(self._wants_lookup(prepared)), int(not warmed_up))
+            self._clock.lap("plan")
             may_draft, (look_up, warm_up) = self.fail_safe.agree(prepared is not None, votes)
             self._look_up = bool(look_up)
+            self._clock.lap("agree")
             if not may_draft:
                 return self._no_drafts(rows)
             return self.fail_safe.call(
@@ -131,6 +133,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
             )
         finally:
             self.lessons.call_ended()
+            self._clock.lap("draft")
             self.counters.propose_calls += 1
             self.counters.propose_seconds += time.perf_counter() - start
 
@@ -152,6 +155,8 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
     def _prepare(self, step: StepView) -> PreparedStep:
         """The rank-local part of a step, before the ranks meet: learn from the step that ran,
         offer each row's lookup draft and plan (each rank its own plan; rank 0's is used)."""
+        rows = step.rows  # (read from vLLM's state once, here)
+        self._clock.lap("read_step")
         self.lessons.learn(step)
         first_tokens = self.first_tokens.next_step(
             step=self.lessons.steps_run,
@@ -160,27 +165,14 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
             admitted=step.admitted_requests,
             engine_was_busy=step.engine_was_busy,
         )
-        rows = step.rows
+        self._clock.lap("learn")
         k = self.num_speculative_tokens
         budgets = [row.draft_budget(k) if row.may_draft and self.lookup.allowed(step, row) else 0 for row in rows]
         found = self.lookup.find(step, rows, budgets, self._look_up)
         if self.lookup.rows_looked_up:
             self.controller.observe_lookup(self.lookup.rows_looked_up, self.lookup.seconds)
-        offers = [
-            RowOffer(
-                row.req_id,
-                len(draft),
-                source,
-                budget > 0,
-                row.sampled,
-                draft.probs,
-                draft.match,
-                row.tokens_left,
-                has_mask=row.req_id in self.self_drafter.masks,
-                context=step.context_length(row.index),
-            )
-            for row, budget, (source, draft) in zip(rows, budgets, found)
-        ]
+        self._clock.lap("look_up")
+        offers = self.lookup.offers(step, rows, budgets, found, probed=self.self_drafter.masks)
         return PreparedStep(step, found, offers, self._plan(offers, max(budgets, default=0), first_tokens).as_ints())
 
     def _plan(self, offers: list[RowOffer], self_budget: int, first_tokens: FirstTokens) -> DraftPlan:

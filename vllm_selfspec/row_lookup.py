@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from vllm_selfspec.control import DraftSource
+from vllm_selfspec.control import DraftSource, RowOffer
 from vllm_selfspec.fail_safe import FailSafe, RequestQuarantine, fault_point
 from vllm_selfspec.lookup import NO_DRAFT, UNKNOWN_TENANT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.options import SelfAdmgOptions
@@ -96,6 +96,26 @@ class RowLookup:
             budgets[i] = 0
         self.seconds = lookup_seconds  # what the lookup gate weighs: lookups only, not predictions
         return found
+
+    @staticmethod
+    def offers(step, rows, budgets: list[int], found: list[Found], probed) -> list[RowOffer]:
+        """Each row's offer to the planner: the draft lookup found for it, and whether it may
+        self-draft (`probed`: the requests whose prompts are measured already)."""
+        return [
+            RowOffer(
+                req_id=row.req_id,
+                lookup_tokens=len(draft),
+                lookup_source=source,
+                can_self_draft=budget > 0,
+                sampled=row.sampled,
+                lookup_probs=draft.probs,
+                lookup_match=draft.match,
+                remaining=row.tokens_left,
+                has_mask=row.req_id in probed,
+                context=step.context_length(row.index),
+            )
+            for row, budget, (source, draft) in zip(rows, budgets, found)
+        ]
 
     def _predicted(self, step, row, budget: int) -> Found:
         """The row's prediction where its output stands in it (NO_DRAFT without one, or lost)."""

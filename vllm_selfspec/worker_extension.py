@@ -24,6 +24,7 @@ def proposer_report(worker, measurements: bool = True) -> dict:
         for f in dataclasses.fields(counters)
         if f.name not in ("measurements", "steps")
     }
+    report["part_seconds"] = dict(counters.part_seconds)  # a copy: the worker's goes on counting
     report["live_requests"] = sorted(drafter.self_drafter.masks)
     report["faults"] = drafter.fail_safe.faults
     report["drafting_disabled"] = drafter.fail_safe.disabled
