@@ -141,7 +141,7 @@ def fake_serving(self_admg=True, max_prediction_tokens=8):
     tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [ord(c) for c in text])
     return SimpleNamespace(
         engine_client=SimpleNamespace(vllm_config=config),
-        renderer=SimpleNamespace(get_tokenizer=lambda: tokenizer),
+        renderer=SimpleNamespace(tokenizer=tokenizer),
     )
 
 
@@ -168,7 +168,11 @@ def test_the_front_end_tokenizes_a_prediction_into_the_requests_xargs_or_names_w
     forged = request(None, xargs={PREDICTION_KEY: [1, 2]})
     assert _take_prediction(fake_serving(), forged)[0] == "vllm_xargs"
     empty = request({"type": "content", "content": ""})
-    assert _take_prediction(fake_serving(), empty) is None and empty.vllm_xargs is None
+    assert _take_prediction(fake_serving(), empty) is None and empty.vllm_xargs == {PREDICTION_KEY: []}
+    no_tokenizer = fake_serving()
+    no_tokenizer.renderer.tokenizer = None  # `vllm serve --skip-tokenizer-init`: a 400, not a 500
+    error = _take_prediction(no_tokenizer, request({"type": "content", "content": "abc"}))
+    assert error[0] == "prediction" and "--skip-tokenizer-init" in error[1]
     elsewhere = request({"type": "content", "content": "abc"})  # another method: ignored
     assert _take_prediction(fake_serving(self_admg=False), elsewhere) is None and elsewhere.vllm_xargs is None
 

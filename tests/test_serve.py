@@ -472,6 +472,7 @@ def test_a_bad_prediction_gets_a_400_naming_the_field_and_the_others_decode_on(s
         assert err.value.status_code == 400 and err.value.body["param"] == field, body
     empty = predicted(admg, tiny_prompts[2], "")  # empty content: accepted, no effect
     assert output_ids(empty) == output_ids(predicted(plain, tiny_prompts[2], None))
+    assert prediction_details(empty) == (0, 0)  # as OpenAI reports an empty prediction
     # A server without self-admg ignores a prediction, as vLLM ignores fields it does not know.
     assert output_ids(predicted(plain, tiny_prompts[3], "anything")) == output_ids(
         predicted(plain, tiny_prompts[3], None)

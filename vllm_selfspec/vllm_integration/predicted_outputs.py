@@ -129,12 +129,15 @@ def _take_prediction(serving, request) -> tuple[str, str] | None:
         return "n", "`prediction` is served with n = 1 only"
     if _prompts(request) > 1:
         return "prompt", "`prediction` is served with one prompt a request only"
-    if not text:
-        return None  # empty content: accepted, no effect
+    # Empty content tokenizes to no ids: nothing is drafted, and usage reports 0 and 0 as
+    # OpenAI's does (the input processor drops the empty ids before the engine).
     limit = max_prediction_tokens(config)
     if len(text) > MAX_CHARACTERS_PER_TOKEN * limit:  # refused before the tokenizer spends time on it
         return "prediction", f"prediction.content is {len(text)} characters; this server takes at most {limit} tokens"
-    ids = serving.renderer.get_tokenizer().encode(text, add_special_tokens=False)
+    tokenizer = serving.renderer.tokenizer  # None where the server skipped it: ids cannot be made
+    if tokenizer is None and text:
+        return "prediction", "this server runs without a tokenizer (--skip-tokenizer-init): it cannot read a prediction"
+    ids = tokenizer.encode(text, add_special_tokens=False) if text else []
     if len(ids) > limit:
         return "prediction", f"prediction.content is {len(ids)} tokens; this server takes at most {limit}"
     request.vllm_xargs = {**xargs, PREDICTION_KEY: list(ids)}
