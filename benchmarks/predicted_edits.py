@@ -45,8 +45,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.engine import bind_worker_cores
 from benchmarks.output import default_out
 from benchmarks.serve_load import VllmServer, server_flags
+from benchmarks.serving import Server, proposer_state, spent
 
 # Modules of pure Python whose functions read as everyday code.
 MODULES = (
@@ -208,18 +210,20 @@ async def serve_edits(server: VllmServer, work: list[tuple[Edit, int]], predicte
 def run_server(method: str, config: dict | None, work: dict[str, list[Edit]], args, round_: int, out: Path) -> None:
     """One server's answers at both loads (a self-admg server's without and with predictions, in
     turn first), each load's appended to answers.jsonl and its wall time to walls.jsonl."""
-    spec = ["--speculative-config", json.dumps(config)] if config else []
+    spec = Server(method, config)  # (a self-admg server answers for its proposer)
     common = server_flags(args.model_path, args.dtype, args.max_model_len, kv_cache_gb=4, seed=0)
     log = out / f"{method}-round{round_}.log"
-    variants = [False, True] if (config or {}).get("method") == "self-admg" else [False]
+    variants = [False, True] if spec.reports_proposer else [False]
     variants = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
-    with VllmServer(args.model_path, *common, *spec, log_path=log) as server:
+    env = spec.env(bind_worker_cores().binding)
+    with VllmServer(args.model_path, *spec.args(common), log_path=log, env=env) as server:
         warm = [(work["warm-up"][0], 64)] * 4  # batched shapes too, each request with a salt of its own
         asyncio.run(serve_edits(server, warm, False, len(warm), f"warm-{round_}"))
         for load, concurrency in (("light", 1), ("capacity", args.concurrency)):
             chosen = [(edit, max_tokens(args.tokenizer, edit)) for edit in work[load]]
             for predicted in variants:
                 name = method + (" + prediction" if predicted else "")
+                before = proposer_state(server, spec)
                 results, wall = asyncio.run(
                     serve_edits(server, chosen, predicted, concurrency, f"{round_}-{load}-{name}")
                 )
@@ -229,8 +233,11 @@ def run_server(method: str, config: dict | None, work: dict[str, list[Edit]], ar
                 ]
                 with open(out / "answers.jsonl", "a") as f:
                     f.writelines(json.dumps(asdict(answer)) + "\n" for answer in answers)
+                # What the proposer drafted and where its time went (PROPOSER_COUNTERS, differences).
+                proposer = spent(before, proposer_state(server, spec))
+                wall_note = {"round": round_, "load": load, "method": name, "wall_s": wall, "proposer": proposer}
                 with open(out / "walls.jsonl", "a") as f:
-                    f.write(json.dumps({"round": round_, "load": load, "method": name, "wall_s": wall}) + "\n")
+                    f.write(json.dumps(wall_note) + "\n")
 
 
 def max_tokens(tokenizer, edit: Edit) -> int:
@@ -302,6 +309,17 @@ def summarize(answers: list[Answer], walls: dict[tuple, float]) -> list[dict]:
     return rows
 
 
+def proposer_note(proposers: dict[tuple, dict | None], load: str, method: str) -> str:
+    """A self-admg server's own time per step and its lookup drafts (prediction's included),
+    summed over rounds; empty for other methods."""
+    spent_ = [p for (_, at, name), p in proposers.items() if (at, name) == (load, method) and p]
+    calls = sum(p["propose_calls"] for p in spent_)
+    if not calls:
+        return ""
+    ms = 1000 * sum(p["propose_seconds"] for p in spent_) / calls
+    return f"{ms:.2f}, {sum(p['lookup_accepted'] for p in spent_)}/{sum(p['lookup_tokens'] for p in spent_)}"
+
+
 def plain_spread(answers: list[Answer], walls: dict[tuple, float]) -> str:
     """Plain's own round-to-round spread: each round's mean TPOT over the rounds' median."""
     notes = []
@@ -336,6 +354,7 @@ def plot(rows: list[dict], path: Path) -> None:
         values = [float(row[column].split()[0]) for row in chosen]
         axis.bar([row["method"].replace(" + ", "\n+ ") for row in chosen], values, color="tab:blue")
         axis.axhline(1, color="grey", linewidth=1)
+        axis.set_ylim(0, 1.15 * max(values))  # room for the labels
         axis.set_title(f"{load}: {column}")
         for i, value in enumerate(values):
             axis.text(i, value, f"{value:.2f}", ha="center", va="bottom")
@@ -350,6 +369,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default=None, help="default: the CPU's native choice")
     parser.add_argument("--methods", nargs="+", default=["plain", "ngram", "suffix", "self-admg"])
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens for every method")
+    parser.add_argument(
+        "--self-admg-options", type=json.loads, default={}, help="""self-admg's options: '{"adaptive": false}'"""
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--edits", type=int, default=16, help="edits at capacity")
     parser.add_argument("--light-edits", type=int, default=8, help="the first edits, sent one at a time")
@@ -393,7 +415,7 @@ def main(argv=None) -> Path:
         "command": "python -m benchmarks.predicted_edits " + " ".join(sys.argv[1:]),
         "model": args.model,
         "dtype": args.dtype,
-        **{k: getattr(args, k) for k in ("k", "rounds", "light_edits", "edits", "concurrency")},
+        **{k: getattr(args, k) for k in ("k", "rounds", "light_edits", "edits", "concurrency", "self_admg_options")},
     }
     (out / "arguments.json").write_text(json.dumps(described, indent=2))
     configs = method_configs(None)
@@ -401,6 +423,8 @@ def main(argv=None) -> Path:
         shift = round_ % len(args.methods)
         for method in args.methods[shift:] + args.methods[:shift]:
             config = configs[method] and {**configs[method], "num_speculative_tokens": args.k}
+            if method == "self-admg":
+                config.update(args.self_admg_options)
             run_server(method, config, work, args, round_, out)
     write_results(out, described)
     return out
@@ -408,15 +432,18 @@ def main(argv=None) -> Path:
 
 def write_results(out: Path, described: dict) -> None:
     answers = [Answer(**json.loads(line)) for line in (out / "answers.jsonl").read_text().splitlines()]
-    walls = {}
+    walls, proposers = {}, {}
     for line in (out / "walls.jsonl").read_text().splitlines():
         wall = json.loads(line)
-        walls[(wall["round"], wall["load"], wall["method"])] = wall["wall_s"]
+        key = (wall["round"], wall["load"], wall["method"])
+        walls[key], proposers[key] = wall["wall_s"], wall.get("proposer")
     with open(out / "requests.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(answers[0])))
         writer.writeheader()
         writer.writerows(asdict(a) for a in answers)
     rows = summarize(answers, walls)
+    for row in rows:
+        row["proposer: ms/step, drafts accepted/made"] = proposer_note(proposers, row["load"], row["method"])
     d = described
     table = (
         f"# Code edits with and without a prediction\n\n`{d['command']}`\n\n"
