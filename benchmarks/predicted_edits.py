@@ -317,7 +317,8 @@ def proposer_note(proposers: dict[tuple, dict | None], load: str, method: str) -
     if not calls:
         return ""
     ms = 1000 * sum(p["propose_seconds"] for p in spent_) / calls
-    return f"{ms:.2f}, {sum(p['lookup_accepted'] for p in spent_)}/{sum(p['lookup_tokens'] for p in spent_)}"
+    accepted = sum(p["lookup_accepted"] + p.get("prediction_accepted", 0) for p in spent_)
+    return f"{ms:.2f}, {accepted}/{sum(p['lookup_tokens'] for p in spent_)}"
 
 
 def plain_spread(answers: list[Answer], walls: dict[tuple, float]) -> str:

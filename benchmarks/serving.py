@@ -85,8 +85,10 @@ PROPOSER_COUNTERS = (
     "draft_steps",
     "draft_tokens",
     "draft_seconds",
-    "lookup_tokens",
-    "lookup_accepted",
+    "lookup_tokens",  # (predictions' included)
+    "lookup_accepted",  # (predictions' not: prediction_accepted)
+    "prediction_tokens",
+    "prediction_accepted",
     "lookup_expected",
     "lookup_estimated",
     "faults",
