@@ -89,6 +89,8 @@ PROPOSER_COUNTERS = (
     "lookup_accepted",  # (predictions' not: prediction_accepted)
     "prediction_tokens",
     "prediction_accepted",
+    "draft_tokens_withheld",  # made, but the scheduler did not verify them (beside a prefill)
+    "steps_prompts_waiting",  # steps planned with nothing, for prompts the scheduler could admit
     "lookup_expected",
     "lookup_estimated",
     "faults",
