@@ -47,7 +47,7 @@ from pathlib import Path
 
 from benchmarks.engine import bind_worker_cores
 from benchmarks.output import default_out
-from benchmarks.serve_load import VllmServer, server_flags
+from benchmarks.serve_load import VllmServer, markdown_table, server_flags
 from benchmarks.serving import Server, proposer_state, spent
 
 # Modules of pure Python whose functions read as everyday code.
@@ -332,12 +332,6 @@ def plain_spread(answers: list[Answer], walls: dict[tuple, float]) -> str:
         middle = statistics.median(means)
         notes.append(f"{load} {min(means) / middle:.2f}-{max(means) / middle:.2f}")
     return "plain's rounds, mean TPOT over their median: " + ", ".join(notes)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    head = list(rows[0])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join([*lines, *("| " + " | ".join(str(row[k]) for k in head) + " |" for row in rows)])
 
 
 def plot(rows: list[dict], path: Path) -> None:

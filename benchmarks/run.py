@@ -38,6 +38,7 @@ from pathlib import Path
 
 from benchmarks.engine import CORES_ENV_VAR, ISA_FLAGS, bind_worker_cores, build_llm, choose_dtype, close_llm, cpu_flags
 from benchmarks.output import default_out
+from benchmarks.serve_load import markdown_table
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # proposer_report via RPC
 
@@ -503,15 +504,6 @@ def summarize(cells: list[Cell], baseline: str = "plain") -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
-    def fmt(v):
-        return "" if v is None else str(v)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def speedup_pivot(rows: list[dict], baseline: str = "plain") -> str:
     """Cells (workload, batch, temperature) by methods: speedup over the baseline, with an x
     where the lossless check failed."""
@@ -769,10 +761,10 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
         f"{args.baseline}'s, see the lossless column):\n\n"
         + speedup_pivot(rows, args.baseline)
         + "\n\nAll columns:\n\n"
-        + markdown_table(rows)
+        + markdown_table(rows, COLUMNS)
     )
     if ablation_rows:
-        table += "\n\nAblations (humaneval, batch 1, temperature 0):\n\n" + markdown_table(ablation_rows)
+        table += "\n\nAblations (humaneval, batch 1, temperature 0):\n\n" + markdown_table(ablation_rows, COLUMNS)
     (out / "table.md").write_text(table + "\n")
     plot(rows, ablation_rows, out, args.baseline)
     return table

@@ -333,10 +333,11 @@ def load_one_server(server: VllmServer, name: str, prompts, args, warmup_prompts
     return row, load
 
 
-def markdown_table(rows: list[dict]) -> str:
-    columns = list(rows[0])
+def markdown_table(rows: list[dict], columns=None) -> str:
+    """Rows as a markdown table: `columns` (default: the first row's keys), empty where None."""
+    columns = list(columns or rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 

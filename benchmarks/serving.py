@@ -52,7 +52,7 @@ from pathlib import Path
 
 from benchmarks.engine import CORES_ENV_VAR
 from benchmarks.output import default_out
-from benchmarks.serve_load import VLLM, VllmServer, server_flags
+from benchmarks.serve_load import VLLM, VllmServer, markdown_table, server_flags
 from vllm_selfspec.counters import PROPOSER_PARTS
 
 WARMUP_REQUESTS = 8
@@ -734,10 +734,10 @@ def paired_ttft_ratio(run: Run, bases: list[Run]) -> float | None:
     return statistics.median(t / statistics.mean(others) for t, *others in zip(mine, *theirs))
 
 
-def request_tpots(run: Run) -> list[float | None] | None:
+def request_tpots(result: dict) -> list[float | None] | None:
     """Each request's time per output token after its first, in seconds (None where it emitted
-    one token or none), from what `vllm bench serve --save-detailed` saved."""
-    latencies, ttfts, lens = (run.result.get(k) for k in ("latencies", "ttfts", "output_lens"))
+    one token or none), from what `vllm bench serve --save-detailed` saved (a run's result)."""
+    latencies, ttfts, lens = (result.get(k) for k in ("latencies", "ttfts", "output_lens"))
     if not latencies or not ttfts or not lens:
         return None
     return [(e - t) / (n - 1) if n and n > 1 else None for e, t, n in zip(latencies, ttfts, lens)]
@@ -750,7 +750,7 @@ def paired_request_speeds(run: Run, bases: list[Run]) -> list[float] | None:
     lens = run.result.get("input_lens")
     if lens is None or any(base.result.get("input_lens") != lens for base in bases):
         return None
-    mine, theirs = request_tpots(run), [request_tpots(base) for base in bases]
+    mine, theirs = request_tpots(run.result), [request_tpots(base.result) for base in bases]
     if mine is None or None in theirs:
         return None
     return [statistics.mean(others) / own for own, *others in zip(mine, *theirs) if own and all(others)] or None
@@ -873,14 +873,6 @@ def unlimited_sizes(runs: list[Run]) -> str:
         if math.isinf(r.point.rate) and r.metric("num_prompts") is not None
     }
     return ", ".join(f"{workload} {size}" for workload, size in sizes.items())
-
-
-def markdown_table(rows: list[dict]) -> str:
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(
-        lines + ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in columns) + " |" for r in rows]
-    )
 
 
 def plot(rows: list[dict], workloads: list[str], out: Path) -> None:

@@ -113,19 +113,19 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
         Its time is on every step's critical path, drafting or not, so it is counted."""
         start = time.perf_counter()
-        rows, self._clock = len(sampled_token_ids), PartClock(self.counters.part_seconds)
+        rows, clock = len(sampled_token_ids), PartClock(self.counters.part_seconds)
         try:
             self.fail_safe.tick()
             if self.fail_safe.disabled:
                 return self._no_drafts(rows)
             step = StepView(runner, scheduler_output, sampled_token_ids)
-            prepared = self.fail_safe.attempt(lambda: self._prepare(step))
+            prepared = self.fail_safe.attempt(lambda: self._prepare(step, clock))
             warmed_up = self.self_drafter is not None and self.self_drafter.warmed_up
             votes = (int(self._wants_lookup(prepared)), int(not warmed_up))
-            self._clock.lap("plan")
+            clock.lap("plan")
             may_draft, (look_up, warm_up) = self.fail_safe.agree(prepared is not None, votes)
             self._look_up = bool(look_up)
-            self._clock.lap("agree")
+            clock.lap("agree")
             if not may_draft:
                 return self._no_drafts(rows)
             return self.fail_safe.call(
@@ -133,7 +133,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
             )
         finally:
             self.lessons.call_ended()
-            self._clock.lap("draft")
+            clock.lap("draft")
             self.counters.propose_calls += 1
             self.counters.propose_seconds += time.perf_counter() - start
 
@@ -152,11 +152,11 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         self.lessons.step_ended(drafted=False)
         return [[] for _ in range(rows)]
 
-    def _prepare(self, step: StepView) -> PreparedStep:
+    def _prepare(self, step: StepView, clock: PartClock) -> PreparedStep:
         """The rank-local part of a step, before the ranks meet: learn from the step that ran,
         offer each row's lookup draft and plan (each rank its own plan; rank 0's is used)."""
         rows = step.rows  # (read from vLLM's state once, here)
-        self._clock.lap("read_step")
+        clock.lap("read_step")
         self.lessons.learn(step)
         first_tokens = self.first_tokens.next_step(
             step=self.lessons.steps_run,
@@ -165,13 +165,13 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
             admitted=step.admitted_requests,
             engine_was_busy=step.engine_was_busy,
         )
-        self._clock.lap("learn")
+        clock.lap("learn")
         k = self.num_speculative_tokens
         budgets = [row.draft_budget(k) if row.may_draft and self.lookup.allowed(step, row) else 0 for row in rows]
         found = self.lookup.find(step, rows, budgets, self._look_up)
         if self.lookup.rows_looked_up:
             self.controller.observe_lookup(self.lookup.rows_looked_up, self.lookup.seconds)
-        self._clock.lap("look_up")
+        clock.lap("look_up")
         offers = self.lookup.offers(step, rows, budgets, found, probed=self.self_drafter.masks)
         return PreparedStep(step, found, offers, self._plan(offers, max(budgets, default=0), first_tokens).as_ints())
 

@@ -19,18 +19,13 @@ import argparse
 import statistics
 from pathlib import Path
 
-from benchmarks.serving import Run, baselines, plain_runs, runs_from_folder
+from benchmarks.serving import Run, baselines, plain_runs, request_tpots, runs_from_folder
 
 
-def decode_split(result: dict, i: int, long_gap: float) -> tuple[float, float, float] | None:
-    """Request i's time per output token, and its decoding seconds in long gaps and in the
-    rest (None where it emitted one token or none)."""
-    tokens = result["output_lens"][i]
-    if not tokens or tokens < 2:
-        return None
-    gaps = result["itls"][i]
+def gap_split(gaps: list[float], long_gap: float) -> tuple[float, float]:
+    """A request's decoding seconds in long gaps and in the rest."""
     long = sum(gap for gap in gaps if gap > long_gap)
-    return (result["latencies"][i] - result["ttfts"][i]) / (tokens - 1), long, sum(gaps) - long
+    return long, sum(gaps) - long
 
 
 def long_gap(result: dict, prefill_gap: float) -> float:
@@ -42,12 +37,15 @@ def long_gap(result: dict, prefill_gap: float) -> float:
 def losses(method: dict, plain: dict, prefill_gap: float) -> list[dict]:
     """Per request of a run, slowest first: its speed against plain's and where it lost."""
     method_gap, plain_gap = long_gap(method, prefill_gap), long_gap(plain, prefill_gap)
+    plain_tpots, method_tpots = request_tpots(plain) or [], request_tpots(method) or []
     rows = []
-    for i in range(len(plain["latencies"])):
-        on_plain, on_method = decode_split(plain, i, plain_gap), decode_split(method, i, method_gap)
-        if on_plain is None or on_method is None:
+    for i, (plain_tpot, tpot) in enumerate(zip(plain_tpots, method_tpots)):
+        if not plain_tpot or not tpot:  # (one token or none)
             continue
-        (plain_tpot, plain_long, plain_rest), (tpot, long, rest) = on_plain, on_method
+        (plain_long, plain_rest), (long, rest) = (
+            gap_split(plain["itls"][i], plain_gap),
+            gap_split(method["itls"][i], method_gap),
+        )
         rows.append(
             {
                 "request": i,
