@@ -297,6 +297,7 @@ def test_set_up_at_a_new_shape_is_not_charged_to_verification():
     are all at new shapes; charged to verification, their set-up made any draft look too dear
     to try again, so it was never measured again (a flaky engine test)."""
     controller, seen = DraftController(), set()
+    controller.planner.protect_rows = False  # (new rows: the per-row rule's own tests below)
 
     def step(rows, drafts=0):
         shape = (rows + drafts, 0, drafts)
@@ -389,10 +390,10 @@ def test_a_draft_token_is_priced_by_the_context_its_row_attends_over():
     """Steps whose rows read long contexts cost more: the fit learns it, and a draft token of a
     6,000-token row beside a short one no longer fits the slack the short row allows, while the
     same draft of a short row does."""
-    controller = trained(t0=0.05, t1=0.001, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    controller = trained(t0=0.05, t1=0.0005, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
     for n in [1, 2, 4] * 6:  # the same rows over contexts of 100 to 6,000 tokens: 1 ms a row per 1,000
         for context in (100, 2000, 6000):
-            controller.observe_step(0, n, 0, 0.05 + 0.001 * n + 0.001 * n * context / 1000, context_read=n * context)
+            controller.observe_step(0, n, 0, 0.05 + 0.0005 * n + 0.001 * n * context / 1000, context_read=n * context)
     assert controller.costs.target().t_context == pytest.approx(0.001, rel=0.1)
     sure = dict(lookup_tokens=4, lookup_probs=(0.95,) * 4)
     beside_short = [RowOffer("drafting", context=200, **sure), RowOffer("chat", context=200)]
@@ -411,6 +412,70 @@ def test_a_new_request_is_credited_no_gain_until_its_drafts_are_verified():
     with_history(controller, ["short"])
     trusted = controller.plan(offers, self_budget=0).lookup_lengths
     assert untrusted[0] < trusted[0] == 4 and untrusted[1] == trusted[1] == 1
+    # A new request is credited its source's acceptance over the batch once that rests on enough
+    # verified tokens (other requests'), though its own does not yet.
+    from vllm_selfspec.control.acceptance import TRUSTED_SOURCE_TOKENS
+
+    newcomer = [offers[0], RowOffer("newcomer", lookup_tokens=1)]
+    assert controller.plan(newcomer, self_budget=0).lookup_lengths == untrusted
+    with_history(controller, [f"earlier{i}" for i in range(TRUSTED_SOURCE_TOKENS // 12)])
+    assert controller.acceptance.rates[DraftSource.LOOKUP].verified >= TRUSTED_SOURCE_TOKENS
+    assert controller.plan(newcomer, self_budget=0).lookup_lengths == trusted
+
+
+def settle(controller, accepted):
+    """The step just planned ran, and its rows accepted these draft tokens."""
+    controller.observe_rows(accepted)
+
+
+def test_a_row_ahead_of_plain_pays_for_its_neighbours_drafts_and_one_behind_allows_less():
+    """The per-row rule's ledger (`row_ledger`): a chat row beside a sure draft allows only the
+    slack in a step. After steps in which it gained (its own drafts accepted), it lets the step
+    grow for its neighbour's draft; a row whose drafts were all rejected, in steps that grew for
+    them, allows less than a new row; what is carried is bounded and is dropped with the row."""
+    from vllm_selfspec.control.row_ledger import MOST_AHEAD, MOST_BEHIND, PlannedStep
+
+    controller = trained(t0=0.05, t1=0.01, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    with_history(controller, ["hostile", "chat"])
+    offers = [RowOffer("hostile", lookup_tokens=4, lookup_probs=(0.95,) * 4), RowOffer("chat")]
+    assert controller.plan(offers, self_budget=0).lookup_lengths == [0, 0]  # (as in the test above)
+    settle(controller, {"hostile": 0, "chat": 0})
+    # The chat row drafted and gained 4 tokens a step, twice.
+    both = [offers[0], RowOffer("chat", lookup_tokens=4, lookup_probs=(0.95,) * 4)]
+    for _ in range(2):
+        assert controller.plan(both, self_budget=0).lookup_lengths == [4, 4]
+        settle(controller, {"hostile": 4, "chat": 4})
+    ledger = controller.planner.ledger
+    ahead = ledger.ahead(["chat"])[0]
+    plain = controller.costs.target().t0 + 2 * controller.costs.target().t_row
+    assert plain < ahead <= MOST_AHEAD * plain * (1 + 1e-9)
+    assert controller.plan(offers, self_budget=0).lookup_lengths == [4, 0]  # it pays from what it gained
+    # Its neighbour's drafts are rejected from now on: the chat row spends what it gained, and
+    # never falls behind; the hostile row falls behind, as far as the bound.
+    hostile = ledger.ahead(["hostile"])[0]
+    settle(controller, {"hostile": 0, "chat": 0})
+    assert ledger.ahead(["chat"])[0] < ahead and ledger.ahead(["hostile"])[0] < hostile
+    drafted = []
+    for _ in range(30):
+        drafted.append(controller.plan(offers, self_budget=0).lookup_lengths[0])
+        settle(controller, {"hostile": 0, "chat": 0})
+        assert ledger.ahead(["chat"])[0] >= -1e-9
+    assert sum(drafted[-10:]) < sum(drafted[:10]) and max(drafted[-10:]) <= 1  # (the slack it earns)
+    assert ledger.ahead(["hostile"])[0] < hostile
+    # However long a step was, a row is carried at most MOST_BEHIND plain steps behind.
+    ledger.plan_made(PlannedStep(("hostile", "chat"), plain_seconds=plain, planned_seconds=100 * plain))
+    settle(controller, {"hostile": 0, "chat": 0})
+    assert ledger.ahead(["hostile"]) == [pytest.approx(-MOST_BEHIND * plain)]
+    # A step that did not follow the plan settles nothing; rows gone are dropped, as are forgotten ones.
+    before = ledger.ahead(["chat", "hostile"])
+    controller.plan(offers, self_budget=0)
+    settle(controller, None)
+    assert ledger.ahead(["chat", "hostile"]) == before
+    controller.plan(offers, self_budget=0)
+    settle(controller, {"chat": 0})
+    assert len(ledger) == 1 and ledger.ahead(["hostile"]) == [0.0]
+    controller.forget("chat")
+    assert len(ledger) == 0
 
 
 def test_cheap_verification_and_good_drafts_draft_everything():

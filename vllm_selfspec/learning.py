@@ -63,16 +63,17 @@ class StepLessons:
             )
             self.counters.steps_timed += 1
         self.step_end = None
-        for row in step.rows if follows_last_call else ():
-            self._learn_row(step, row)
+        accepted = {row.req_id: self._learn_row(step, row) for row in step.rows} if follows_last_call else None
+        self.controller.observe_rows(accepted)
         self.drafted = {}
 
-    def _learn_row(self, step, row) -> None:
+    def _learn_row(self, step, row) -> int:
+        """What verification made of the row's draft, if it had one: its accepted tokens."""
         made = self.drafted.get(row.req_id)
         verified = min(made.length, step.verified_draft_tokens(row.req_id)) if made else 0
         self.counters.draft_tokens_withheld += made.length - verified if made else 0
         if not verified:  # (the scheduler may have cut a draft short, or withheld it)
-            return
+            return 0
         accepted = min(step.accepted(row.index), verified)
         self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.bins, made.estimated)
         if made.source == DraftSource.PREDICTION:  # (not the lookup gate's: predictions cost no lookup)
@@ -82,6 +83,7 @@ class StepLessons:
             self.counters.lookup_accepted += accepted
             self.counters.lookup_expected += made.expected
             self.counters.lookup_estimated += made.estimated
+        return accepted
 
     def lookup_drafted(self, req_id: str, offer: RowOffer, source: DraftSource, length: int) -> None:
         """What to learn from a lookup draft once it is verified."""

@@ -5,7 +5,8 @@
 Four parts, each unit-tested in tests/test_controller.py:
 - `step_costs`: what a target step, a self-draft step and a probe cost (fitted online);
 - `acceptance`: how likely a draft token is to be accepted (per source, request, lookup bin);
-- `planner`: from both, how many tokens each row drafts this step, and from which source;
+- `planner`: from both, how many tokens each row drafts this step, and from which source,
+  keeping each row's time against plain's in its `row_ledger`;
 - `lookup_gate`: whether looking up, paid every step before any plan, saves what it costs.
 
 `DraftController` holds the four for the proposer, which tells it what happened
@@ -64,8 +65,14 @@ class DraftController:
     def observe_lookup_accepted(self, tokens: int) -> None:
         self.lookup_gate.observe_accepted(tokens)
 
+    def observe_rows(self, accepted: dict[str, int] | None) -> None:
+        """Every row of the step that ran and the draft tokens it accepted (None: not the step
+        last planned), for the per-row rule's ledger (`row_ledger`)."""
+        self.planner.ledger.settle(accepted)
+
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)
+        self.planner.ledger.forget(req_id)
 
     # What to do.
     def plan(

@@ -73,6 +73,7 @@ class AcceptanceRate:
 
 
 TRUSTED_AFTER_TOKENS = 8  # a request's verified draft tokens before its own acceptance counts
+TRUSTED_SOURCE_TOKENS = 64  # ... or its source's, over every request, before a new request's does
 MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
 AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
 
@@ -190,14 +191,17 @@ class AcceptanceModel:
         rate = self._by_request.get((req_id, source))
         return rate.rate if rate else self.rates[source].rate
 
-    def has_history(self, req_id: str) -> bool:
-        """Whether this request's lookup drafts have been verified often enough for its own
-        acceptance to be trusted (`planner`: a row without is credited no gain)."""
-        return any(
+    def trusted(self, offer) -> bool:
+        """Whether a row's estimated gain rests on enough verified draft tokens to be credited
+        (`planner`: a row without is credited no gain): its request's own, or else those of
+        the source it drafts from over every request, which its estimate then stands on."""
+        own = any(
             rate.verified >= TRUSTED_AFTER_TOKENS
             for source in LOOKED_UP
-            if (rate := self._by_request.get((req_id, source))) is not None
+            if (rate := self._by_request.get((offer.req_id, source))) is not None
         )
+        source = DraftSource(offer.lookup_source) if offer.lookup_tokens else DraftSource.SELF
+        return own or self.rates[source].verified >= TRUSTED_SOURCE_TOKENS
 
     def calibration(self, offer, length: int | None = None) -> list[BinPrior]:
         """The bins and priors of an offer's first `length` lookup tokens (all by default). A

@@ -34,10 +34,14 @@ longer step. So a draft token is bought only if, with it, every row's expected r
 least (1 - ROW_SLACK) of plain decoding's for that row, 1 / t_plain: (1 + g_i) / t_i >=
 (1 - ROW_SLACK) / t_plain, where t_i is the planned step less the time of row i's own drafts
 (and of the verification every draft needs, if row i drafts), and g_i the tokens its own draft
-is expected to add, counted only once its acceptance rests on a few verified drafts (a new
-request's estimate is a guess, and counting nothing protects it). A row is never charged its
-own draft, so one row alone, or rows that all gain, lose nothing by it; a row without a draft
-then allows the step to grow by ROW_SLACK / (1 - ROW_SLACK) of plain's and no more. An
+is expected to add, counted only once the estimate rests on enough verified draft tokens, the
+request's own or, for a new request, its source's over the batch (`AcceptanceModel.trusted`:
+a guess protects nobody). A row is never charged its own draft, so one row alone, or rows that
+all gain, lose nothing by it. A request is timed over its life, not a step: the seconds a row
+is ahead of that pace so far, or behind it, are added to what it allows (`row_ledger`), so a
+row that has gained may pay for its neighbours' drafts in a step where it has none, and one
+whose drafts fared worse than estimated allows less until it has caught up. A new row without
+a draft allows the step to grow by ROW_SLACK / (1 - ROW_SLACK) of plain's and no more. An
 operator who wants the batch's throughput whoever pays sets `objective: "throughput"`.
 
 Draining batches. The steady plan values a row's accepted token as the step time it frees for
@@ -64,11 +68,12 @@ from dataclasses import dataclass, field
 
 from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, token_bins
 from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
+from vllm_selfspec.control.row_ledger import PlannedStep, RowLedger
 from vllm_selfspec.control.step_costs import StepCostModel
 
 DRAFT_MARGIN = 0.2  # a draft token's gain per second must beat the step's rate by this share
 FIRST_TOKEN_SLACK = 0.05  # how much longer than plain's a step a new prompt waits for may be
-ROW_SLACK = 0.05  # how much below plain decoding's rate the plan may leave any row
+ROW_SLACK = 0.02  # how much below plain decoding's rate the plan may leave any row
 __all__ = ["FIRST_RETRY_AFTER", "DraftPlan", "DraftPlanner", "RowOffer"]
 
 
@@ -151,6 +156,17 @@ class Choice:
         )
 
 
+@dataclass(frozen=True)
+class RowDue:
+    """What the per-row rule needs beyond the plan: plain's step and verification's seconds,
+    and per row whether its estimate is trusted and the seconds it is ahead of its pace."""
+
+    t_plain: float
+    t_verify: float
+    trusted: list[bool]
+    ahead: list[float]
+
+
 class RowProtection:
     """The per-row rule (module docstring, "Every row protected") over a plan: each row's own
     draft seconds and credited gain, and whether the plan's step leaves every row at least
@@ -158,23 +174,19 @@ class RowProtection:
     paying tokens first, until it does: checked token by token as it grows, the first token
     would be refused for the rows whose drafts come later."""
 
-    def __init__(self, t_plain: float, t_verify: float, trusted: list[bool]):
-        self.t_plain, self.t_verify, self.trusted = t_plain, t_verify, trusted
-        self.drafted = [0] * len(trusted)  # tokens: exact, where seconds given back leave rounding
-        self.own = [0.0] * len(trusted)
-        self.credited = [0.0] * len(trusted)
-        self.without_draft = t_plain * ROW_SLACK / (1 - ROW_SLACK)
+    def __init__(self, due: RowDue):
+        self.t_plain, self.t_verify, self.trusted, self.ahead = due.t_plain, due.t_verify, due.trusted, due.ahead
+        self.drafted = [0] * len(due.trusted)  # tokens: exact, where seconds given back leave rounding
+        self.own = [0.0] * len(due.trusted)
+        self.credited = [0.0] * len(due.trusted)
 
     def allowance(self, i: int) -> float:
         """How much longer than plain's the step may be for row i."""
-        extra = self.t_plain * ((1 + self.credited[i]) / (1 - ROW_SLACK) - 1)
+        extra = self.t_plain * ((1 + self.credited[i]) / (1 - ROW_SLACK) - 1) + self.ahead[i]
         return extra + (self.own[i] + self.t_verify if self.drafted[i] else 0.0)
 
     def satisfied(self, added: float) -> bool:
-        """Whether a step `added` seconds longer than plain's leaves every row its due (a row
-        with a draft allows at least what one without allows)."""
-        if not all(self.drafted):  # a row without a draft allows the same as any other, the least
-            return added <= self.without_draft
+        """Whether a step `added` seconds longer than plain's leaves every row its due."""
         return all(added <= self.allowance(i) for i in range(len(self.own)))
 
     def take(self, rows: list[int], seconds_each: float, gains: list[float], sign: int = 1) -> None:
@@ -191,6 +203,7 @@ class DraftPlanner:
     acceptance: AcceptanceModel
     retries: Backoff = field(default_factory=Backoff)  # of self-drafts, while none is made
     protect_rows: bool = True  # the per-row rule; False: the batch's throughput (objective)
+    ledger: RowLedger = field(default_factory=lambda: RowLedger(ROW_SLACK))
 
     def plan(
         self, offers: list[RowOffer], self_budget: int, draining: bool = False, prompts_waiting: bool = False
@@ -199,6 +212,7 @@ class DraftPlanner:
         `draining`: no request admitted lately, so only the batch's end counts;
         `prompts_waiting`: a new prompt will wait for this step, which may then be at most
         FIRST_TOKEN_SLACK longer than plain decoding's (and retries wait)."""
+        self.ledger.plan_made(None)
         if not self.costs.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup_tokens for o in offers], 0, False, [False] * len(offers))
         step = self.costs.target()
@@ -227,6 +241,9 @@ class DraftPlanner:
             explored = self._maybe_retry(offers, self_rows, choice, self_budget)
         elif choice.self_length > 0:
             self.retries.in_use()
+        if not draining or len(offers) == 1:
+            plain_seconds = step.t0 + sum(cost)
+            self.ledger.plan_made(PlannedStep(tuple(o.req_id for o in offers), plain_seconds, choice.seconds))
         return DraftPlan(
             choice.lookup_lengths, choice.self_length, explored, [i in choice.self_rows for i in range(len(offers))]
         )
@@ -243,7 +260,12 @@ class DraftPlanner:
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
         protected = (
-            (plain.seconds, t_verify, [self.acceptance.has_history(o.req_id) for o in offers])
+            RowDue(
+                plain.seconds,
+                t_verify,
+                trusted=[self.acceptance.trusted(o) for o in offers],
+                ahead=self.ledger.ahead([o.req_id for o in offers]),
+            )
             if self.protect_rows and len(offers) > 1
             else None
         )
@@ -300,6 +322,7 @@ class DraftPlanner:
             return False
         self.retries.retried()
         choice.self_length, choice.self_rows = 1, retry_rows
+        choice.seconds += self.costs.self_step_seconds(len(retry_rows))
         choice.lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(choice.lookup_lengths)]
         return True
 
@@ -325,12 +348,11 @@ class DraftPlanner:
         protected=None,
     ) -> Choice:
         """Add draft tokens, best gain per second first, while each beats the step's rate so far
-        by the margin, the step stays within `max_seconds`, and (`protected`: plain's step
-        seconds, verification's, and which rows' acceptance is trusted) every row keeps its
+        by the margin, the step stays within `max_seconds`, and (`protected`) every row keeps its
         due (`RowProtection`). A token that does not fit is left, with the deeper tokens of its
         row."""
         tokens, seconds = start
-        protection = RowProtection(*protected) if protected else None
+        protection = RowProtection(protected) if protected else None
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
         taken = []  # (kind, rows, seconds each, gain each) per token taken, in the order taken
         # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,

@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""Each row's time against plain decoding's over its life so far: the per-row rule's memory.
+
+The per-row rule (`planner`) holds each step to what it expects, but a request is timed over
+its whole life. After each planned step the ledger credits every row what plain decoding would
+have spent on the tokens it got, (1 + accepted) plain steps less the slack, and charges it the
+planned step. A row ahead of that pace may then let the step grow for its neighbours' drafts
+in a step where it has none of its own (an edit that departs from the text it follows, after
+many steps of following it); a row behind it, whose drafts fared worse than estimated or whose
+estimate was a batch-wide one, allows that much less until it has caught up. What a row may
+carry either way is bounded, so that one long request cannot stretch a step without limit and
+one bad step cannot stop every neighbour's drafts for long. Kept only for the rows of the last
+planned step: bounded by the batch, and nothing outlives its request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MOST_AHEAD = 8.0  # plain steps a row may carry ahead of plain decoding's pace
+MOST_BEHIND = 1.0  # ... and behind it
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """What the planner expected of a step: its rows, and plain's and the plan's seconds."""
+
+    req_ids: tuple[str, ...]
+    plain_seconds: float
+    planned_seconds: float
+
+
+@dataclass
+class RowLedger:
+    slack: float  # the share of plain's rate a row may lose (`planner.ROW_SLACK`)
+    planned: PlannedStep | None = None
+    _ahead: dict[str, float] = field(default_factory=dict)  # seconds ahead of the slackened pace
+
+    def plan_made(self, step: PlannedStep | None) -> None:
+        """The step about to run (None: one the per-row rule does not cover)."""
+        self.planned = step
+
+    def settle(self, accepted: dict[str, int] | None) -> None:
+        """The step ran and was verified: tokens accepted per row of it, every row (None: what
+        ran was not what was planned, so nothing is settled). A step the rule did not plan (one
+        that drafted nothing while prompts wait) leaves the rows as they were."""
+        step, self.planned = self.planned, None
+        if accepted is None:
+            return
+        if step is None:
+            self._ahead = {req_id: self._ahead[req_id] for req_id in accepted if req_id in self._ahead}
+            return
+        due = step.plain_seconds / (1 - self.slack)
+        low, high = -MOST_BEHIND * step.plain_seconds, MOST_AHEAD * step.plain_seconds
+        settled = {
+            req_id: self._ahead.get(req_id, 0.0) + (1 + accepted[req_id]) * due - step.planned_seconds
+            for req_id in step.req_ids
+            if req_id in accepted
+        }
+        self._ahead = {req_id: min(max(seconds, low), high) for req_id, seconds in settled.items()}
+
+    def ahead(self, req_ids: list[str]) -> list[float]:
+        """Per row, the seconds it is ahead of the slackened pace (negative: behind)."""
+        return [self._ahead.get(req_id, 0.0) for req_id in req_ids]
+
+    def forget(self, req_id: str) -> None:
+        self._ahead.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._ahead)
