@@ -185,9 +185,17 @@ class RowProtection:
         extra = self.t_plain * ((1 + self.credited[i]) / (1 - ROW_SLACK) - 1) + self.ahead[i]
         return extra + (self.own[i] + self.t_verify if self.drafted[i] else 0.0)
 
-    def satisfied(self, added: float) -> bool:
-        """Whether a step `added` seconds longer than plain's leaves every row its due."""
-        return all(added <= self.allowance(i) for i in range(len(self.own)))
+    def binding(self, added: float) -> set[int]:
+        """The rows a step `added` seconds longer than plain's would not leave their due."""
+        return {i for i in range(len(self.own)) if added > self.allowance(i)}
+
+    def due_without(self, rows: list[int], gains: list[float], added: float) -> bool:
+        """Whether these rows, each giving back a draft token (and the step its seconds), would
+        still be left their due by a step `added` seconds longer than plain's, before it."""
+        return all(
+            self.allowance(i) - self.t_plain * gain * self.trusted[i] / (1 - ROW_SLACK) >= added
+            for i, gain in zip(rows, gains)
+        )
 
     def take(self, rows: list[int], seconds_each: float, gains: list[float], sign: int = 1) -> None:
         """Rows take one more draft token each (`sign` -1: give it back)."""
@@ -354,7 +362,7 @@ class DraftPlanner:
         tokens, seconds = start
         protection = RowProtection(protected) if protected else None
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
-        taken = []  # (kind, rows, seconds each, gain each) per token taken, in the order taken
+        taken = []  # (gain per second, kind, rows, seconds each, gain each) per token taken
         # Candidates: (-ratio, kind, row, depth). Within a source the ratio falls with depth,
         # so a row's next token is queued only once its last is taken.
         candidates = [
@@ -367,36 +375,86 @@ class DraftPlanner:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
         heapq.heapify(candidates)
         while candidates and -candidates[0][0] > (1 + DRAFT_MARGIN) * tokens / seconds:
-            _, kind, i, depth = heapq.heappop(candidates)
+            ratio, kind, i, depth = heapq.heappop(candidates)
             if seconds + (cost[i] if kind == "lookup" else self_token_cost) > max_seconds:
                 continue
             if kind == "lookup":
                 choice.lookup_lengths[i] = depth
-                taken.append(("lookup", [i], cost[i], [gains[i][depth - 1]]))
+                taken.append((-ratio, "lookup", [i], cost[i], [gains[i][depth - 1]]))
                 if depth < offers[i].lookup_tokens:
                     heapq.heappush(candidates, (-gains[i][depth] / cost[i], "lookup", i, depth + 1))
             else:
                 choice.self_length = depth
-                taken.append(("self", sorted(self_rows), self_token_cost / m, [a_self**depth] * m))
+                taken.append((-ratio, "self", sorted(self_rows), self_token_cost / m, [a_self**depth] * m))
                 if depth < self_budget:
                     heapq.heappush(candidates, (-m * a_self ** (depth + 1) / self_token_cost, "self", -1, depth + 1))
-            _, rows, each, gained = taken[-1]
+            _, _, rows, each, gained = taken[-1]
             tokens, seconds = tokens + sum(gained), seconds + each * len(rows)
         if protection is not None:
-            for _, rows, each, gained in taken:
-                protection.take(rows, each, gained)
-            while taken and not protection.satisfied(seconds - protection.t_plain):
-                kind, rows, each, gained = taken.pop()  # the least paying token taken, its row's deepest
-                protection.take(rows, each, gained, sign=-1)
-                tokens, seconds = tokens - sum(gained), seconds - each * len(rows)
-                if kind == "self":
-                    choice.self_length -= 1
-                else:
-                    choice.lookup_lengths[rows[0]] -= 1
+            tokens, seconds = keep_every_row_due(
+                protection,
+                choice,
+                taken,
+                totals=(tokens, seconds),
+                priced=(offers, gains, cost),
+                plain_rate=start[0] / start[1],
+                max_seconds=max_seconds,
+            )
         if not choice.self_length:
             choice.self_rows = set()
         choice.tokens, choice.seconds = tokens, seconds
         return choice
+
+
+def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, totals, priced, plain_rate, max_seconds):
+    """The greedy plan (`taken`, its tokens and seconds `totals`) made to leave every row its due
+    (`RowProtection`); the plan's tokens and seconds. First, each row the step would not leave
+    its due lengthens its own lookup draft while its tokens pay at plain decoding's rate: a
+    token credits its row far more than it costs it, and a row the margin left without a draft
+    allows only the slack. Then the least paying tokens are given back, first of the rows the
+    step does leave their due (a token of a row that binds would lower what it allows), until
+    every row has it. `priced`: the rows' offers, lookup gains and seconds per token."""
+    (tokens, seconds), (offers, gains, cost) = totals, priced
+    for _, _, rows, each, gained in taken:
+        protection.take(rows, each, gained)
+    lifting = True
+    while lifting:
+        lifting = False
+        for i in sorted(protection.binding(seconds - protection.t_plain) - choice.self_rows):
+            depth = choice.lookup_lengths[i]
+            fits = depth < offers[i].lookup_tokens and seconds + cost[i] <= max_seconds
+            if fits and gains[i][depth] / cost[i] > plain_rate:
+                choice.lookup_lengths[i] += 1
+                taken.append((gains[i][depth] / cost[i], "lookup", [i], cost[i], [gains[i][depth]]))
+                protection.take([i], cost[i], [gains[i][depth]])
+                tokens, seconds, lifting = tokens + gains[i][depth], seconds + cost[i], True
+    taken.sort(key=lambda token: -token[0])  # (stable: a row's deeper tokens stay after its others)
+    while taken and (binding := protection.binding(seconds - protection.t_plain)):
+        _, kind, rows, each, gained = taken.pop(token_to_give_back(protection, taken, binding, seconds))
+        protection.take(rows, each, gained, sign=-1)
+        tokens, seconds = tokens - sum(gained), seconds - each * len(rows)
+        if kind == "self":
+            choice.self_length -= 1
+        else:
+            choice.lookup_lengths[rows[0]] -= 1
+    return tokens, seconds
+
+
+def token_to_give_back(protection: RowProtection, taken, binding: set[int], seconds: float) -> int:
+    """Which of the tokens `taken` (by gain per second, best first) to give back while the
+    `binding` rows are not left their due: the least paying of a row that would still be left
+    its due without it; else of a row that does not bind; else the least paying. Only a row's
+    deepest token is given back (its last in `taken`)."""
+    added, seen, fallback = seconds - protection.t_plain, set(), None
+    for k in reversed(range(len(taken))):
+        rows, gained = taken[k][2], taken[k][4]
+        deepest = seen.isdisjoint(rows)
+        seen.update(rows)
+        if deepest and binding.isdisjoint(rows):
+            if protection.due_without(rows, gained, added):
+                return k
+            fallback = k if fallback is None else fallback
+    return len(taken) - 1 if fallback is None else fallback
 
 
 def draining_choice(offers, gains, cost, step, self_budget, a_self: float, costs: StepCostModel) -> Choice:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MOST_AHEAD = 8.0  # plain steps a row may carry ahead of plain decoding's pace
-MOST_BEHIND = 1.0  # ... and behind it
+MOST_BEHIND = 0.25  # ... and behind it (it makes that up at the slack a step, blocking drafts)
 
 
 @dataclass(frozen=True)
