@@ -988,3 +988,79 @@ def test_at_capacity_sure_drafts_are_kept_for_every_row_that_has_one():
     free = controller.plan(offers, self_budget=0).lookup_lengths
     assert free[-1] == 0 and protected[-1] > 0
     assert all(protected) and sum(protected) >= 0.7 * sum(free)
+
+
+def test_every_plan_leaves_every_row_its_due_whatever_the_offers_and_the_ledger():
+    """The per-row rule as a property, checked apart from the planner's own arithmetic: over
+    random batches of sure, weak, short, new and trusted rows, some ahead of their pace and some
+    behind, every plan leaves each row i (1 + g_i) / t_i >= (1 - ROW_SLACK) / t_plain, with
+    what it carries added (or is no plan at all)."""
+    import random
+
+    from vllm_selfspec.control.planner import ROW_SLACK
+
+    rng = random.Random(0)
+    controller = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.9, self_rate=0.9, protect_rows=True)
+    with_history(controller, [f"old{i}" for i in range(4)], drafted=8, accepted=6)
+    for step in range(300):
+        offers = []
+        for i in range(rng.randint(2, 12)):
+            n = rng.choice([0, 0, 1, 3, 8])
+            probs = tuple(rng.choice([0.999, 0.9, 0.5, 0.2]) ** j for j in range(1, n + 1))
+            offers.append(RowOffer(rng.choice(["old", "new"]) + str(i), lookup_tokens=n, lookup_probs=probs))
+        plan = controller.plan(offers, self_budget=0)
+        ledger, acceptance = controller.planner.ledger, controller.acceptance
+        target = controller.costs.target()
+        cost = [target.t_row + target.t_context * o.context / 1000 for o in offers]
+        t_plain = target.t0 + sum(cost)
+        drafted = sum(plan.lookup_lengths) > 0
+        added = sum(c * n for c, n in zip(cost, plan.lookup_lengths)) + target.t_verify * drafted
+        ahead = ledger.ahead([o.req_id for o in offers])
+        for i, (o, n) in enumerate(zip(offers, plan.lookup_lengths)):
+            credit = sum(acceptance.lookup_gains(o)[:n]) if acceptance.trusted(o) and ahead[i] >= 0 else 0.0
+            allowed = t_plain * ((1 + credit) / (1 - ROW_SLACK) - 1) + ahead[i]
+            allowed += cost[i] * n + target.t_verify if n else 0.0
+            assert not drafted or added <= allowed + 1e-9, (step, i, plan.lookup_lengths)
+        settle(controller, {o.req_id: rng.randint(0, n) for o, n in zip(offers, plan.lookup_lengths)})
+
+
+def test_the_ledger_settles_a_step_only_as_it_ran():
+    """`StepLessons.learn` settles the per-row ledger only when the planned drafts were verified
+    whole: a step whose drafts the scheduler withheld (beside a prefill) or cut short, or whose
+    drafts were not made, cost what a plain step does and settles nothing."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.counters import ProposerCounters
+    from vllm_selfspec.learning import StepLessons
+
+    controller = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
+    offers = [RowOffer(f"r{i}", lookup_tokens=4, lookup_probs=(0.999,) * 4) for i in range(2)]
+    with_history(controller, ["r0", "r1"])
+    lessons = StepLessons(controller, ProposerCounters())
+    rows = [SimpleNamespace(req_id=o.req_id, index=i) for i, o in enumerate(offers)]
+
+    def run_step(verified: int, made: bool = True) -> list[float]:
+        plan = controller.plan(offers, self_budget=0)
+        assert plan.lookup_lengths == [4, 4] and controller.planner.ledger.planned is not None
+        lessons.note_step()
+        for o, n in zip(offers, plan.lookup_lengths):
+            lessons.lookup_drafted(o.req_id, o, DraftSource.LOOKUP, n)
+        lessons.step_ended(drafted=made)
+        lessons.call_ended()
+        lessons.note_step()
+        step = SimpleNamespace(
+            rows=rows,
+            shape=lambda: None,
+            engine_was_busy=True,
+            verified_draft_tokens=lambda req_id: verified,
+            accepted=lambda index: verified,
+        )
+        lessons.learn(step)
+        return controller.planner.ledger.ahead(["r0", "r1"])
+
+    assert run_step(verified=4) > [0.0, 0.0]  # as planned, every token accepted: ahead
+    settled = controller.planner.ledger.ahead(["r0", "r1"])
+    assert run_step(verified=0) == settled  # withheld
+    assert run_step(verified=2) == settled  # cut short
+    assert run_step(verified=4, made=False) == settled  # not made (a fault, or the ranks disagreed)
+    assert run_step(verified=4) > settled

@@ -64,18 +64,24 @@ class StepLessons:
             self.counters.steps_timed += 1
         self.step_end = None
         accepted = {row.req_id: self._learn_row(step, row) for row in step.rows} if follows_last_call else None
-        self.controller.observe_rows(accepted)
+        # The per-row rule's ledger settles the step as planned only if it ran as planned: every
+        # draft verified whole (a step beside a prefill, whose drafts the scheduler withheld,
+        # cost what a plain one does, not what was planned).
+        as_planned = accepted is not None and None not in accepted.values()
+        self.controller.observe_rows(accepted if as_planned else None)
         self.drafted = {}
 
-    def _learn_row(self, step, row) -> int:
-        """What verification made of the row's draft, if it had one: its accepted tokens."""
+    def _learn_row(self, step, row) -> int | None:
+        """What verification made of the row's draft, if it had one: its accepted tokens (None:
+        the scheduler cut the draft short or withheld it)."""
         made = self.drafted.get(row.req_id)
         verified = min(made.length, step.verified_draft_tokens(row.req_id)) if made else 0
         self.counters.draft_tokens_withheld += made.length - verified if made else 0
-        if not verified:  # (the scheduler may have cut a draft short, or withheld it)
-            return 0
+        if not verified:
+            return None if made else 0
         accepted = min(step.accepted(row.index), verified)
         self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.bins, made.estimated)
+        cut_short = verified < made.length
         if made.source == DraftSource.PREDICTION:  # (not the lookup gate's: predictions cost no lookup)
             self.counters.prediction_accepted += accepted
         elif made.source != DraftSource.SELF:
@@ -83,7 +89,7 @@ class StepLessons:
             self.counters.lookup_accepted += accepted
             self.counters.lookup_expected += made.expected
             self.counters.lookup_estimated += made.estimated
-        return accepted
+        return None if cut_short else accepted
 
     def lookup_drafted(self, req_id: str, offer: RowOffer, source: DraftSource, length: int) -> None:
         """What to learn from a lookup draft once it is verified."""
@@ -107,6 +113,7 @@ class StepLessons:
         there is nothing to learn from the step after)."""
         if not drafted:
             self.drafted = {}
+            self.controller.observe_rows(None)  # (the plan's drafts were not made)
         self.step_end = time.perf_counter()
 
     def call_ended(self) -> None:

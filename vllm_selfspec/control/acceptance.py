@@ -194,14 +194,17 @@ class AcceptanceModel:
     def trusted(self, offer) -> bool:
         """Whether a row's estimated gain rests on enough verified draft tokens to be credited
         (`planner`: a row without is credited no gain): its request's own, or else those of
-        the source it drafts from over every request, which its estimate then stands on."""
+        the source it drafts from over every request, which its estimate then stands on. Not
+        a prediction's: it is the request's own text, as good or as bad as its sender made it,
+        and other requests' predictions say nothing of it."""
         own = any(
             rate.verified >= TRUSTED_AFTER_TOKENS
             for source in LOOKED_UP
             if (rate := self._by_request.get((offer.req_id, source))) is not None
         )
         source = DraftSource(offer.lookup_source) if offer.lookup_tokens else DraftSource.SELF
-        return own or self.rates[source].verified >= TRUSTED_SOURCE_TOKENS
+        batch_wide = source != DraftSource.PREDICTION and self.rates[source].verified >= TRUSTED_SOURCE_TOKENS
+        return own or batch_wide
 
     def calibration(self, offer, length: int | None = None) -> list[BinPrior]:
         """The bins and priors of an offer's first `length` lookup tokens (all by default). A

@@ -36,13 +36,17 @@ least (1 - ROW_SLACK) of plain decoding's for that row, 1 / t_plain: (1 + g_i) /
 (and of the verification every draft needs, if row i drafts), and g_i the tokens its own draft
 is expected to add, counted only once the estimate rests on enough verified draft tokens, the
 request's own or, for a new request, its source's over the batch (`AcceptanceModel.trusted`:
-a guess protects nobody). A row is never charged its own draft, so one row alone, or rows that
-all gain, lose nothing by it. A request is timed over its life, not a step: the seconds a row
-is ahead of that pace so far, or behind it, are added to what it allows (`row_ledger`), so a
-row that has gained may pay for its neighbours' drafts in a step where it has none, and one
-whose drafts fared worse than estimated allows less until it has caught up. A new row without
-a draft allows the step to grow by ROW_SLACK / (1 - ROW_SLACK) of plain's and no more. An
-operator who wants the batch's throughput whoever pays sets `objective: "throughput"`.
+a guess protects nobody), and not while the row is behind its pace. A row is never charged
+its own draft, so one row alone, or rows that all gain and are not behind, lose nothing by it.
+A request is timed over its life, not a step: the seconds a row is ahead of that pace so far,
+or behind it, are added to what it allows (`row_ledger`), so a row that has gained may pay for
+its neighbours' drafts in a step where it has none, and one whose drafts fared worse than
+estimated allows less until it has caught up. A new row without a draft allows the step to
+grow by ROW_SLACK / (1 - ROW_SLACK) of plain's and no more. The greedy plan is made first, then
+held to the rule (`keep_every_row_due`): a row that binds lengthens its own draft where that
+pays, then tokens are given back where they can be spared. A self-draft retry is made only if
+every row can pay for it from what it carries. An operator who wants the batch's throughput
+whoever pays sets `objective: "throughput"`.
 
 Draining batches. The steady plan values a row's accepted token as the step time it frees for
 someone else. When no request has been admitted for a while (an offline batch finishing), a
@@ -169,10 +173,10 @@ class RowDue:
 
 class RowProtection:
     """The per-row rule (module docstring, "Every row protected") over a plan: each row's own
-    draft seconds and credited gain, and whether the plan's step leaves every row at least
-    (1 - ROW_SLACK) of plain's rate. The greedy plan is made first and then trimmed, its least
-    paying tokens first, until it does: checked token by token as it grows, the first token
-    would be refused for the rows whose drafts come later."""
+    draft seconds and credited gain, and which rows the plan's step would leave below
+    (1 - ROW_SLACK) of plain's rate. It is applied to the whole greedy plan
+    (`keep_every_row_due`), not token by token as the plan grows: then the first token would
+    be refused for the rows whose drafts come later."""
 
     def __init__(self, due: RowDue):
         self.t_plain, self.t_verify, self.trusted, self.ahead = due.t_plain, due.t_verify, due.trusted, due.ahead
@@ -193,7 +197,10 @@ class RowProtection:
         """Whether these rows, each giving back a draft token (and the step its seconds), would
         still be left their due by a step `added` seconds longer than plain's, before it."""
         return all(
-            self.allowance(i) - self.t_plain * gain * self.trusted[i] / (1 - ROW_SLACK) >= added
+            self.allowance(i)
+            - self.t_plain * gain * self.trusted[i] / (1 - ROW_SLACK)
+            - self.t_verify * (self.drafted[i] == 1)
+            >= added
             for i, gain in zip(rows, gains)
         )
 
@@ -246,7 +253,9 @@ class DraftPlanner:
             choice = self._steady(offers, gains, cost, step.t0, step.t_verify, self_rows, self_budget, prompts_waiting)
         explored = False
         if self_rows and choice.self_length == 0 and self_budget and not prompts_waiting:
-            explored = self._maybe_retry(offers, self_rows, choice, self_budget)
+            retry_seconds = lambda rows: self._retry_seconds(offers, cost, step, rows)  # noqa: E731
+            room = self._retry_room(offers, cost, step, choice) if not draining else math.inf
+            explored = self._maybe_retry(offers, self_rows, choice, self_budget, seconds=retry_seconds, room=room)
         elif choice.self_length > 0:
             self.retries.in_use()
         if not draining or len(offers) == 1:
@@ -267,12 +276,14 @@ class DraftPlanner:
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
+        ahead = self.ledger.ahead([o.req_id for o in offers])
         protected = (
             RowDue(
                 plain.seconds,
                 t_verify,
-                trusted=[self.acceptance.trusted(o) for o in offers],
-                ahead=self.ledger.ahead([o.req_id for o in offers]),
+                # A row behind its pace is credited nothing: its estimates have fallen short.
+                trusted=[self.acceptance.trusted(o) and a >= 0 for o, a in zip(offers, ahead)],
+                ahead=ahead,
             )
             if self.protect_rows and len(offers) > 1
             else None
@@ -320,19 +331,35 @@ class DraftPlanner:
             return set()  # (with no saving, self-drafting is not chosen anyway)
         return {i for i in new if saving * offers[i].tokens_left < probe}
 
-    def _maybe_retry(self, offers, self_rows, choice: Choice, self_budget: int) -> bool:
+    def _maybe_retry(self, offers, self_rows, choice: Choice, self_budget: int, *, seconds, room: float) -> bool:
         """Turn `choice` into a one-step self-draft retry when one is due and could pay: with
-        the rows that have a mask, or else one new row (one probe)."""
+        the rows that have a mask, or else one new row (one probe); if it costs (`seconds` of
+        the retry's rows) no more than every row allows (`room`: the per-row rule)."""
         retry_rows = {i for i in self_rows if offers[i].has_mask} or {self_rows[0]}
-        if not self.retries.due() or not self._retry_pays(
-            offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)
-        ):
+        if not self.retries.due() or seconds(retry_rows) > room:
+            return False
+        if not self._retry_pays(offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
             return False
         self.retries.retried()
         choice.self_length, choice.self_rows = 1, retry_rows
-        choice.seconds += self.costs.self_step_seconds(len(retry_rows))
+        choice.seconds += seconds(retry_rows)
         choice.lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(choice.lookup_lengths)]
         return True
+
+    def _retry_seconds(self, offers, cost, step, rows) -> float:
+        """What a one-token self-draft retry over `rows` adds to a step: the draft step, its
+        probe if the rows have no mask yet, and their verification."""
+        probe = 0.0 if offers[next(iter(rows))].has_mask else self.costs.probe_seconds or 0.0
+        return self.costs.self_step_seconds(len(rows)) + probe + sum(cost[i] for i in rows) + step.t_verify
+
+    def _retry_room(self, offers, cost, step, choice: Choice) -> float:
+        """How much longer the planned step may grow for every row, by the per-row rule (a
+        retry credits no row: its acceptance is what it measures)."""
+        if not self.protect_rows or len(offers) == 1:
+            return math.inf
+        plain = step.t0 + sum(cost)
+        least_ahead = min(self.ledger.ahead([o.req_id for o in offers]))
+        return least_ahead + plain * ROW_SLACK / (1 - ROW_SLACK) - (choice.seconds - plain)
 
     def _retry_pays(self, offers, retry_rows, best_saving: float) -> bool:
         """Whether a retry could pay back what it costs, one draft step over `retry_rows` and a
@@ -421,6 +448,8 @@ def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, tota
     while lifting:
         lifting = False
         for i in sorted(protection.binding(seconds - protection.t_plain) - choice.self_rows):
+            if not protection.trusted[i]:  # (its own tokens would credit it nothing)
+                continue
             depth = choice.lookup_lengths[i]
             fits = depth < offers[i].lookup_tokens and seconds + cost[i] <= max_seconds
             if fits and gains[i][depth] / cost[i] > plain_rate:
