@@ -412,14 +412,17 @@ def test_a_new_request_is_credited_no_gain_until_its_drafts_are_verified():
     with_history(controller, ["short"])
     trusted = controller.plan(offers, self_budget=0).lookup_lengths
     assert untrusted[0] < trusted[0] == 4 and untrusted[1] == trusted[1] == 1
-    # A new request is credited its source's acceptance over the batch once that rests on enough
-    # verified tokens (other requests'), though its own does not yet.
-    from vllm_selfspec.control.acceptance import TRUSTED_SOURCE_TOKENS
+    # A new request is credited the acceptance of its draft's calibration bins over the batch
+    # once that rests on enough verified tokens (other requests'), though its own does not yet;
+    # tokens verified in other bins (the long row's sure ones) do not count.
+    from vllm_selfspec.control.acceptance import TRUSTED_BIN_TOKENS
 
     newcomer = [offers[0], RowOffer("newcomer", lookup_tokens=1)]
+    for _ in range(TRUSTED_BIN_TOKENS):
+        controller.observe_draft("long", DraftSource.LOOKUP, 4, 4, controller.calibration(offers[0]))
     assert controller.plan(newcomer, self_budget=0).lookup_lengths == untrusted
-    with_history(controller, [f"earlier{i}" for i in range(TRUSTED_SOURCE_TOKENS // 12)])
-    assert controller.acceptance.rates[DraftSource.LOOKUP].verified >= TRUSTED_SOURCE_TOKENS
+    for i in range(TRUSTED_BIN_TOKENS):
+        controller.observe_draft(f"earlier{i}", DraftSource.LOOKUP, 1, 1, controller.calibration(newcomer[1]))
     assert controller.plan(newcomer, self_budget=0).lookup_lengths == trusted
 
 

@@ -73,7 +73,7 @@ class AcceptanceRate:
 
 
 TRUSTED_AFTER_TOKENS = 8  # a request's verified draft tokens before its own acceptance counts
-TRUSTED_SOURCE_TOKENS = 64  # ... or its source's, over every request, before a new request's does
+TRUSTED_BIN_TOKENS = 16  # ... or, per calibration bin, every request's, before a new request's does
 MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
 AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
 
@@ -193,18 +193,23 @@ class AcceptanceModel:
 
     def trusted(self, offer) -> bool:
         """Whether a row's estimated gain rests on enough verified draft tokens to be credited
-        (`planner`: a row without is credited no gain): its request's own, or else those of
-        the source it drafts from over every request, which its estimate then stands on. Not
-        a prediction's: it is the request's own text, as good or as bad as its sender made it,
-        and other requests' predictions say nothing of it."""
+        (`planner`: a row without is credited no gain): its request's own, or else, for a
+        lookup draft, those of every calibration bin its tokens fall in, over every request,
+        which its estimate then stands on (a bin no draft has been verified in yet is a guess:
+        a chat row's short, weak matches beside a row that repeats one token, whose drafts
+        fill other bins). Not a prediction's: it is the request's own text, as good or as bad
+        as its sender made it, and other requests' predictions say nothing of it."""
         own = any(
             rate.verified >= TRUSTED_AFTER_TOKENS
             for source in LOOKED_UP
             if (rate := self._by_request.get((offer.req_id, source))) is not None
         )
-        source = DraftSource(offer.lookup_source) if offer.lookup_tokens else DraftSource.SELF
-        batch_wide = source != DraftSource.PREDICTION and self.rates[source].verified >= TRUSTED_SOURCE_TOKENS
-        return own or batch_wide
+        if own or not offer.lookup_tokens or DraftSource(offer.lookup_source) == DraftSource.PREDICTION:
+            return own
+        return all(
+            (rate := self._by_bin.get(token_bin)) is not None and rate.verified >= TRUSTED_BIN_TOKENS
+            for token_bin in set(offer.lookup_bins)
+        )
 
     def calibration(self, offer, length: int | None = None) -> list[BinPrior]:
         """The bins and priors of an offer's first `length` lookup tokens (all by default). A

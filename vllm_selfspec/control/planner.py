@@ -35,7 +35,7 @@ least (1 - ROW_SLACK) of plain decoding's for that row, 1 / t_plain: (1 + g_i) /
 (1 - ROW_SLACK) / t_plain, where t_i is the planned step less the time of row i's own drafts
 (and of the verification every draft needs, if row i drafts), and g_i the tokens its own draft
 is expected to add, counted only once the estimate rests on enough verified draft tokens, the
-request's own or, for a new request, its source's over the batch (`AcceptanceModel.trusted`:
+request's own or, for a new request, its bins' over the batch (`AcceptanceModel.trusted`:
 a guess protects nobody), and not while the row is behind its pace. A row is never charged
 its own draft, so one row alone, or rows that all gain and are not behind, lose nothing by it.
 A request is timed over its life, not a step: the seconds a row is ahead of that pace so far,
@@ -192,6 +192,18 @@ class RowProtection:
     def binding(self, added: float) -> set[int]:
         """The rows a step `added` seconds longer than plain's would not leave their due."""
         return {i for i in range(len(self.own)) if added > self.allowance(i)}
+
+    def binds(self, rows: list[int], added: float) -> bool:
+        """Whether a step `added` seconds longer than plain's would leave any of `rows` short."""
+        return any(added > self.allowance(i) for i in rows)
+
+    def a_binding_row(self, added: float, hint: int | None) -> int | None:
+        """A row a step `added` seconds longer than plain's would not leave its due, `hint`
+        first (the last found: it mostly still binds); None if there is none. Asked once a
+        token given back, so it stops at the first it finds."""
+        if hint is not None and added > self.allowance(hint):
+            return hint
+        return next((i for i in range(len(self.own)) if added > self.allowance(i)), None)
 
     def due_without(self, rows: list[int], gains: list[float], added: float) -> bool:
         """Whether these rows, each giving back a draft token (and the step its seconds), would
@@ -458,8 +470,9 @@ def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, tota
                 protection.take([i], cost[i], [gains[i][depth]])
                 tokens, seconds, lifting = tokens + gains[i][depth], seconds + cost[i], True
     taken.sort(key=lambda token: -token[0])  # (stable: a row's deeper tokens stay after its others)
-    while taken and (binding := protection.binding(seconds - protection.t_plain)):
-        _, kind, rows, each, gained = taken.pop(token_to_give_back(protection, taken, binding, seconds))
+    row = None
+    while taken and (row := protection.a_binding_row(seconds - protection.t_plain, hint=row)) is not None:
+        _, kind, rows, each, gained = taken.pop(token_to_give_back(protection, taken, seconds))
         protection.take(rows, each, gained, sign=-1)
         tokens, seconds = tokens - sum(gained), seconds - each * len(rows)
         if kind == "self":
@@ -469,17 +482,18 @@ def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, tota
     return tokens, seconds
 
 
-def token_to_give_back(protection: RowProtection, taken, binding: set[int], seconds: float) -> int:
-    """Which of the tokens `taken` (by gain per second, best first) to give back while the
-    `binding` rows are not left their due: the least paying of a row that would still be left
-    its due without it; else of a row that does not bind; else the least paying. Only a row's
-    deepest token is given back (its last in `taken`)."""
+def token_to_give_back(protection: RowProtection, taken, seconds: float) -> int:
+    """Which of the tokens `taken` (by gain per second, best first) to give back while some row
+    is not left its due by a step of `seconds`: the least paying of a row that would still be
+    left its due without it; else of a row that does not bind; else the least paying. Only a
+    row's deepest token is given back (its last in `taken`). Rows are asked whether they bind
+    one token at a time, not all at once: at large batches most pops stop at the last token."""
     added, seen, fallback = seconds - protection.t_plain, set(), None
     for k in reversed(range(len(taken))):
         rows, gained = taken[k][2], taken[k][4]
         deepest = seen.isdisjoint(rows)
         seen.update(rows)
-        if deepest and binding.isdisjoint(rows):
+        if deepest and not protection.binds(rows, added):
             if protection.due_without(rows, gained, added):
                 return k
             fallback = k if fallback is None else fallback
