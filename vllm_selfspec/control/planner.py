@@ -244,6 +244,7 @@ class DraftPlanner:
             return DraftPlan([o.lookup_tokens for o in offers], 0, False, [False] * len(offers))
         step = self.costs.target()
         cost = [max(step.t_row + step.t_sampled * o.sampled + step.t_context * o.context / 1000, 1e-9) for o in offers]
+        plain_seconds = step.t0 + sum(cost)
         gains = [self.acceptance.lookup_gains(o) if o.lookup_tokens else [] for o in offers]
         # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
         # than a self-draft's.
@@ -266,12 +267,14 @@ class DraftPlanner:
         explored = False
         if self_rows and choice.self_length == 0 and self_budget and not prompts_waiting:
             retry_seconds = lambda rows: self._retry_seconds(offers, cost, step, rows)  # noqa: E731
-            room = self._retry_room(offers, cost, step, choice) if not draining else math.inf
+            # (a retry credits no row: its acceptance is what it measures)
+            protected = self.protect_rows and len(offers) > 1 and not draining
+            ids = [o.req_id for o in offers]
+            room = self.ledger.room(ids, plain_seconds, choice.seconds) if protected else math.inf
             explored = self._maybe_retry(offers, self_rows, choice, self_budget, seconds=retry_seconds, room=room)
         elif choice.self_length > 0:
             self.retries.in_use()
         if not draining or len(offers) == 1:
-            plain_seconds = step.t0 + sum(cost)
             self.ledger.plan_made(PlannedStep(tuple(o.req_id for o in offers), plain_seconds, choice.seconds))
         return DraftPlan(
             choice.lookup_lengths, choice.self_length, explored, [i in choice.self_rows for i in range(len(offers))]
@@ -361,17 +364,12 @@ class DraftPlanner:
     def _retry_seconds(self, offers, cost, step, rows) -> float:
         """What a one-token self-draft retry over `rows` adds to a step: the draft step, its
         probe if the rows have no mask yet, and their verification."""
-        probe = 0.0 if offers[next(iter(rows))].has_mask else self.costs.probe_seconds or 0.0
-        return self.costs.self_step_seconds(len(rows)) + probe + sum(cost[i] for i in rows) + step.t_verify
+        draft_step = self.costs.self_step_seconds(len(rows))
+        return draft_step + self._probe_seconds(offers, rows) + sum(cost[i] for i in rows) + step.t_verify
 
-    def _retry_room(self, offers, cost, step, choice: Choice) -> float:
-        """How much longer the planned step may grow for every row, by the per-row rule (a
-        retry credits no row: its acceptance is what it measures)."""
-        if not self.protect_rows or len(offers) == 1:
-            return math.inf
-        plain = step.t0 + sum(cost)
-        least_ahead = min(self.ledger.ahead([o.req_id for o in offers]))
-        return least_ahead + plain * ROW_SLACK / (1 - ROW_SLACK) - (choice.seconds - plain)
+    def _probe_seconds(self, offers, rows) -> float:
+        """The probe a self-draft over `rows` needs first: none once they have a mask."""
+        return 0.0 if offers[next(iter(rows))].has_mask else self.costs.probe_seconds or 0.0
 
     def _retry_pays(self, offers, retry_rows, best_saving: float) -> bool:
         """Whether a retry could pay back what it costs, one draft step over `retry_rows` and a
@@ -379,8 +377,7 @@ class DraftPlanner:
         case saves less only slow a batch down. A source never measured is always worth a try."""
         if not self.costs.self_step_measured:
             return True
-        probe = 0.0 if offers[next(iter(retry_rows))].has_mask else self.costs.probe_seconds or 0.0
-        return best_saving > self.costs.self_step_seconds(len(retry_rows)) + probe
+        return best_saving > self.costs.self_step_seconds(len(retry_rows)) + self._probe_seconds(offers, retry_rows)
 
     def _greedy(
         self,

@@ -64,6 +64,12 @@ class RowLedger:
         """Per row, the seconds it is ahead of the slackened pace (negative: behind)."""
         return [self._ahead.get(req_id, 0.0) for req_id in req_ids]
 
+    def room(self, req_ids: list[str], plain_seconds: float, planned_seconds: float) -> float:
+        """How much longer than planned a step may grow for every one of these rows, crediting
+        none of them a gain: the least any is ahead, plus the slack, less what the plan adds."""
+        slack = plain_seconds * self.slack / (1 - self.slack)
+        return min(self.ahead(req_ids)) + slack - (planned_seconds - plain_seconds)
+
     def forget(self, req_id: str) -> None:
         self._ahead.pop(req_id, None)
 
