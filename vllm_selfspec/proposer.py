@@ -38,7 +38,7 @@ from vllm_selfspec.vllm_integration import runner_hook
 from vllm_selfspec.vllm_integration.draft_forward import (
     DraftForward,
     max_over_ranks,
-    same_on_all_ranks,
+    rank0_ints,
     tensor_parallel_rank,
 )
 from vllm_selfspec.vllm_integration.runner_state import StepView
@@ -196,8 +196,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         # which every rank follows, already left it out.
         budgets = [row.draft_budget(self.num_speculative_tokens) if row.may_draft else 0 for row in rows]
         # Rank 0's plan on every rank: each rank planned from its own step timings.
-        shared = same_on_all_ranks(torch.tensor(prepared.plan_ints, device=self._device))
-        plan = DraftPlan.from_ints(shared.tolist(), len(prepared.offers))
+        plan = DraftPlan.from_ints(rank0_ints(prepared.plan_ints, self._device), len(prepared.offers))
         forward = DraftForward(step.runner, self.vllm_config, common_attn_metadata)
         if warm_up and any(budgets):
             warm_row = next(row.index for row, budget in zip(rows, budgets) if budget)

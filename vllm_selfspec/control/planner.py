@@ -66,6 +66,7 @@ probe of a new prompt when no row has a mask yet (a probe costs a few target ste
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -100,7 +101,7 @@ class RowOffer:
     def tokens_left(self) -> float:
         return math.inf if self.remaining is None else self.remaining
 
-    @property
+    @functools.cached_property  # (asked several times a plan; an offer is not changed once made)
     def lookup_bins(self) -> list[tuple]:
         return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup_tokens, self.sampled)
 
@@ -183,27 +184,34 @@ class RowProtection:
         self.drafted = [0] * len(due.trusted)  # tokens: exact, where seconds given back leave rounding
         self.own = [0.0] * len(due.trusted)
         self.credited = [0.0] * len(due.trusted)
+        # Each row's allowance, kept up to date by take(): the give-back asks for them often.
+        self.allowances = [self._allowance(i) for i in range(len(due.trusted))]
 
-    def allowance(self, i: int) -> float:
+    def _allowance(self, i: int) -> float:
         """How much longer than plain's the step may be for row i."""
         extra = self.t_plain * ((1 + self.credited[i]) / (1 - ROW_SLACK) - 1) + self.ahead[i]
         return extra + (self.own[i] + self.t_verify if self.drafted[i] else 0.0)
 
+    def allowance(self, i: int) -> float:
+        return self.allowances[i]
+
     def binding(self, added: float) -> set[int]:
         """The rows a step `added` seconds longer than plain's would not leave their due."""
-        return {i for i in range(len(self.own)) if added > self.allowance(i)}
+        return {i for i, allowed in enumerate(self.allowances) if added > allowed}
 
     def binds(self, rows: list[int], added: float) -> bool:
         """Whether a step `added` seconds longer than plain's would leave any of `rows` short."""
-        return any(added > self.allowance(i) for i in rows)
+        return any(added > self.allowances[i] for i in rows)
 
     def a_binding_row(self, added: float, hint: int | None) -> int | None:
         """A row a step `added` seconds longer than plain's would not leave its due, `hint`
         first (the last found: it mostly still binds); None if there is none. Asked once a
         token given back, so it stops at the first it finds."""
-        if hint is not None and added > self.allowance(hint):
+        if hint is not None and added > self.allowances[hint]:
             return hint
-        return next((i for i in range(len(self.own)) if added > self.allowance(i)), None)
+        if added <= min(self.allowances, default=math.inf):
+            return None
+        return next(i for i, allowed in enumerate(self.allowances) if added > allowed)
 
     def due_without(self, rows: list[int], gains: list[float], added: float) -> bool:
         """Whether these rows, each giving back a draft token (and the step its seconds), would
@@ -222,6 +230,7 @@ class RowProtection:
             self.drafted[i] += sign
             self.own[i] += sign * seconds_each
             self.credited[i] += sign * gain * self.trusted[i]
+            self.allowances[i] = self._allowance(i)
 
 
 @dataclass
@@ -486,14 +495,24 @@ def token_to_give_back(protection: RowProtection, taken, seconds: float) -> int:
     row's deepest token is given back (its last in `taken`). Rows are asked whether they bind
     one token at a time, not all at once: at large batches most pops stop at the last token."""
     added, seen, fallback = seconds - protection.t_plain, set(), None
-    for k in reversed(range(len(taken))):
+    allowances = protection.allowances
+    for k in range(len(taken) - 1, -1, -1):
         rows, gained = taken[k][2], taken[k][4]
-        deepest = seen.isdisjoint(rows)
-        seen.update(rows)
-        if deepest and not protection.binds(rows, added):
-            if protection.due_without(rows, gained, added):
-                return k
-            fallback = k if fallback is None else fallback
+        if len(rows) == 1:  # (a lookup token: the common case, asked without building sets)
+            i = rows[0]
+            if i in seen:
+                continue
+            seen.add(i)
+            if added > allowances[i]:
+                continue
+        else:
+            deepest = seen.isdisjoint(rows)
+            seen.update(rows)
+            if not deepest or protection.binds(rows, added):
+                continue
+        if protection.due_without(rows, gained, added):
+            return k
+        fallback = k if fallback is None else fallback
     return len(taken) - 1 if fallback is None else fallback
 
 
@@ -516,23 +535,20 @@ def draining_choice(offers, gains, cost, step, self_budget, a_self: float, costs
             elif n and o.can_self_draft and measured and self_budget >= n:
                 self_rows.add(i)
                 survival.append([a_self**j for j in range(1, n + 1)])
-            elif n:
-                break  # this row cannot reach the line: the batch cannot end sooner by it
+            elif n:  # this row cannot reach the line, nor any farther one: the batch cannot end sooner
+                return best
             else:
                 survival.append([])
-        else:
-            # E[min over rows of (lead + accepted)], counted in whole tokens up to the line.
-            nearer = sum(
-                math.prod(1.0 if y <= d else (s[y - d - 1] if y - d <= len(s) else 0.0) for d, s in zip(lead, survival))
-                for y in range(1, finish + 1)
-            )
-            saved = t0 * nearer + sum(c * sum(s) for c, s in zip(cost, survival))
-            self_length = max((need[i] for i in self_rows), default=0)
-            spent = (
-                t_verify
-                + sum(c * n for c, n in zip(cost, need))
-                + self_length * costs.self_step_seconds(len(self_rows))
-            )
-            if saved - spent > best_net:
-                best_net, best = saved - spent, Choice(lengths, self_length, self_rows)
+        # E[min over rows of (lead + accepted)], counted in whole tokens up to the line.
+        nearer = sum(
+            math.prod(1.0 if y <= d else (s[y - d - 1] if y - d <= len(s) else 0.0) for d, s in zip(lead, survival))
+            for y in range(1, finish + 1)
+        )
+        saved = t0 * nearer + sum(c * sum(s) for c, s in zip(cost, survival))
+        self_length = max((need[i] for i in self_rows), default=0)
+        spent = (
+            t_verify + sum(c * n for c, n in zip(cost, need)) + self_length * costs.self_step_seconds(len(self_rows))
+        )
+        if saved - spent > best_net:
+            best_net, best = saved - spent, Choice(lengths, self_length, self_rows)
     return best

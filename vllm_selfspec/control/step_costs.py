@@ -41,11 +41,15 @@ class LinearCost:
     ridge: tuple[float, ...]
     decay: float = 0.98
     min_samples: int = 8
+    # Once the fit has settled, refit only every this many observations: a solve costs a
+    # noticeable part of a small step, and with a decay of 0.98 a few steps move it little.
+    refit_every: int = 1
     samples: int = 0
     outliers_in_a_row: int = 0
-    _sums: dict = field(default_factory=dict)
-    # coefficients() since the last observation: the planner asks for them several times a step.
+    _sums: np.ndarray | None = None
+    # The last fit and the observation count it saw: the planner asks several times a step.
     _fit: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _fit_samples: int = field(default=0, init=False, repr=False, compare=False)
 
     def observe(self, features, seconds: float) -> None:
         x = np.asarray(features, dtype=np.float64)
@@ -56,33 +60,29 @@ class LinearCost:
             self.outliers_in_a_row += 1
             if self.outliers_in_a_row < 3:
                 return
+            self._fit = None  # the costs changed: follow them now, not at the next refit
         self.outliers_in_a_row = 0
-        self._fit = None
-        s = self._sums or dict(w=0.0, x=np.zeros_like(x), xx=np.zeros((len(x), len(x))), y=0.0, xy=np.zeros_like(x))
-        for key in s:
-            s[key] = s[key] * self.decay
-        s["w"] += 1
-        s["x"] = s["x"] + x
-        s["xx"] = s["xx"] + np.outer(x, x)
-        s["y"] += seconds
-        s["xy"] = s["xy"] + x * seconds
-        self._sums = s
+        # The decayed sums of (1, features, seconds) times its transpose: every sum the fit
+        # needs (weight, features, seconds and their products) in one update.
+        z = np.concatenate(([1.0], x, [seconds]))
+        self._sums = np.outer(z, z) if self._sums is None else self._sums * self.decay + np.outer(z, z)
         self.samples += 1
 
     def coefficients(self) -> tuple[float, np.ndarray]:
-        if self._fit is None:
+        settled = self.samples >= 4 * self.min_samples
+        if self._fit is None or self.samples - self._fit_samples >= (self.refit_every if settled else 1):
             intercept, coef = self._solve()
-            coef.flags.writeable = False  # shared by every caller until the next observation
-            self._fit = intercept, coef
+            coef.flags.writeable = False  # shared by every caller until the next fit
+            self._fit, self._fit_samples = (intercept, coef), self.samples
         return self._fit
 
     def _solve(self) -> tuple[float, np.ndarray]:
-        if not self._sums:
+        if self._sums is None:
             return 0.0, np.zeros(len(self.prior_share))
-        s = self._sums
-        mean_x, mean_y = s["x"] / s["w"], s["y"] / s["w"]
-        cov = s["xx"] / s["w"] - np.outer(mean_x, mean_x)
-        cross = s["xy"] / s["w"] - mean_x * mean_y
+        means = self._sums / self._sums[0, 0]
+        mean_x, mean_y = means[0, 1:-1], means[0, -1]
+        cov = means[1:-1, 1:-1] - np.outer(mean_x, mean_x)
+        cross = means[1:-1, -1] - mean_x * mean_y
         share = np.asarray(self.prior_share)
         prior = share * mean_y / (1 + share @ mean_x)
         strength = np.asarray(self.ridge) * (np.diag(cov) + 1e-6 * (mean_x**2 + 1))
@@ -111,7 +111,9 @@ def target_step_cost() -> LinearCost:
     row (the safe side), not to a greedy row it never saw, and one that always drafts charges
     verification to t0. The first verifications are all at new shapes: set-up is pulled less,
     so it takes their extra cost."""
-    return LinearCost(prior_share=(0.1, 0.1, 0.0, 0.0, 0.0, 0.0), ridge=(1e-4, 1e-4, 1e-2, 1e-2, 1e-3, 1e-2))
+    return LinearCost(
+        prior_share=(0.1, 0.1, 0.0, 0.0, 0.0, 0.0), ridge=(1e-4, 1e-4, 1e-2, 1e-2, 1e-3, 1e-2), refit_every=8
+    )
 
 
 def self_step_cost() -> LinearCost:

@@ -116,6 +116,16 @@ def same_on_all_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return get_tp_group().broadcast(tensor.contiguous(), src=0)  # a no-op on one rank
 
 
+def rank0_ints(values: list[int], device) -> list[int]:
+    """Rank 0's list of ints on every rank (`same_on_all_ranks`); on one rank, the list itself,
+    with no tensor made: this is asked every step."""
+    from vllm.distributed import get_tp_group
+
+    if get_tp_group().world_size == 1:
+        return list(values)
+    return same_on_all_ranks(torch.tensor(values, device=device)).tolist()
+
+
 def max_over_ranks(flags: list[int]) -> list[int]:
     """The element-wise maximum of each tensor-parallel rank's flags: the ranks' one agreement
     per step on whether to draft (`fail_safe`). One small all-reduce on the group's CPU (gloo)

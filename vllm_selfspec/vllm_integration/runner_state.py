@@ -171,9 +171,14 @@ class StepView:
 
 def _samples(params) -> bool:
     """Whether a request samples (temperature > 0) rather than taking the argmax."""
+    return params is not None and params.sampling_type != _greedy()
+
+
+@functools.cache
+def _greedy():  # (imported once, not every row of every step)
     from vllm.sampling_params import SamplingType
 
-    return params is not None and params.sampling_type != SamplingType.GREEDY
+    return SamplingType.GREEDY
 
 
 def _tokens_left(request) -> int | None:
