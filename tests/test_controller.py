@@ -237,6 +237,24 @@ def target_step_cost():
     return dataclasses.replace(step_costs.target_step_cost(), decay=1.0)
 
 
+def test_a_settled_step_cost_fit_is_solved_every_few_steps_and_at_once_when_costs_jump():
+    cost = target_step_cost()
+    step = lambda n, seconds: cost.observe((0, n, 0, 0, 0, 0), seconds)  # noqa: E731
+    for i in range(4 * cost.min_samples - 1):  # until settled, every step refits
+        before = cost.coefficients()
+        step(1 + i % 8, 0.2 + 0.01 * (1 + i % 8))
+        assert cost.coefficients() is not before
+    settled = cost.coefficients()
+    for i in range(cost.refit_every - 1):  # a little dearer: followed at the next refit
+        step(1 + i % 8, 0.25 + 0.01 * (1 + i % 8))
+        assert cost.coefficients() is settled
+    step(4, 0.29)
+    assert cost.coefficients() is not settled and cost.predict((0, 1, 0, 0, 0, 0)) > 0.21
+    for _ in range(3):  # four times dearer, three steps running: followed at once
+        step(1, 2.0)
+    assert cost.predict((0, 1, 0, 0, 0, 0)) > 0.25
+
+
 def test_step_cost_fits_each_kind_of_work_and_ignores_idle_gaps():
     cost = target_step_cost()
     # Decode steps of 1-8 rows, half of them sampling, some verifying drafts, a few prefill chunks.

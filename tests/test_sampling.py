@@ -3,6 +3,7 @@
 """At temperature 1 the output distribution with self-admg equals plain decoding's, and the
 same test catches vLLM 0.32's CPU rejection-sampler bug when our patch is left out."""
 
+import math
 import os
 from collections import Counter
 
@@ -16,6 +17,7 @@ from vllm_selfspec.vllm_integration.cpu_fixes import UNPATCHED_SAMPLER_ENV
 from conftest import close_llm, make_llm, spec_counters
 
 NUM_SAMPLES = 3000
+NULL_SIMULATIONS = 400  # draws from the model's own probabilities, to calibrate the test
 NUM_TOKENS = 4  # token 0 comes from the prefill; tokens 1-3 go through the rejection sampler
 
 
@@ -42,25 +44,47 @@ def model_fit_p_value(model, prompt_ids: list[int], samples: np.ndarray, positio
     before them? Each sample's exact next-token distribution is computed (float32, Hugging Face)
     and tokens are counted against the sum of those probabilities, in cells of (token before,
     token) where enough is expected, then of the token alone, then one cell for the rest: a
-    chi-square test of the conditionals, which a sampler biased in some contexts also fails.
-    Nothing random stands on the reference side, so it is sharper than comparing with a second
-    sample; and conservative, as each count varies at most as a Poisson count would."""
+    chi-square statistic over the conditionals, which a sampler biased in some contexts also
+    fails. Nothing random stands on the reference side, so it is sharper than comparing with a
+    second sample. Its null distribution is not chi-square with cells - 1 degrees of freedom
+    (each sample is one draw from its own distribution): it is simulated from the same
+    probabilities, and the statistic is referred to a chi-square matched to its mean and
+    variance there."""
     import torch
 
     contexts = np.concatenate([np.tile(prompt_ids, (len(samples), 1)), samples[:, :position]], axis=1)
     with torch.no_grad():
         probs = torch.softmax(model(torch.from_numpy(contexts)).logits[:, -1].double(), -1).numpy()
     before, vocab = contexts[:, -1], probs.shape[1]
-    expected, observed = np.zeros((vocab, vocab)), np.zeros((vocab, vocab))
+    expected = np.zeros((vocab, vocab))
     np.add.at(expected, before, probs)
-    np.add.at(observed, (before, samples[:, position]), 1)
     pairs = expected >= 5
-    e_tokens, o_tokens = np.where(pairs, 0, expected).sum(0), np.where(pairs, 0, observed).sum(0)
-    tokens = e_tokens >= 5
-    e = np.concatenate([expected[pairs], e_tokens[tokens], [e_tokens[~tokens].sum()]])
-    o = np.concatenate([observed[pairs], o_tokens[tokens], [o_tokens[~tokens].sum()]])
-    statistic = ((o - e) ** 2 / e)[e > 0].sum()
-    return float(chi2.sf(statistic, (e > 0).sum() - 1))
+    tokens = np.where(pairs, 0, expected).sum(0) >= 5
+    cells = np.empty((vocab, vocab), dtype=np.int64)  # each (token before, token)'s cell
+    cells[pairs] = np.arange(pairs.sum())
+    token_cell = pairs.sum() + np.cumsum(tokens) - 1
+    rest = pairs.sum() + tokens.sum()
+    cells[~pairs] = np.where(tokens, token_cell, rest)[np.nonzero(~pairs)[1]]
+    e = np.bincount(cells.ravel(), weights=expected.ravel(), minlength=rest + 1)
+    if e[rest] < 5 and rest > 0:  # too little left for a cell of its own: into the smallest
+        cells[cells == rest] = int(np.argmin(e[:rest]))
+        e = np.bincount(cells.ravel(), weights=expected.ravel(), minlength=rest + 1)
+
+    def statistic(drawn: np.ndarray) -> float:
+        o = np.bincount(cells[before, drawn], minlength=len(e))
+        if np.any(o[e == 0]):
+            return math.inf  # a token the model gives no chance
+        return float(((o - e) ** 2 / np.where(e > 0, e, 1)).sum())
+
+    rng = np.random.default_rng(0)
+    cumulative = probs.cumsum(1)
+    null = [
+        statistic(np.minimum((cumulative < rng.random((len(probs), 1)) * cumulative[:, -1:]).sum(1), vocab - 1))
+        for _ in range(NULL_SIMULATIONS)
+    ]
+    mean, variance = np.mean(null), np.var(null)
+    scale, dof = variance / (2 * mean), 2 * mean**2 / variance
+    return float(chi2.sf(statistic(samples[:, position]) / scale, dof))
 
 
 def make_admg(model, options, unpatched: bool):
