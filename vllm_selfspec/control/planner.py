@@ -275,7 +275,7 @@ class DraftPlanner:
             choice = self._steady(offers, gains, cost, step.t0, step.t_verify, self_rows, self_budget, prompts_waiting)
         explored = False
         if self_rows and choice.self_length == 0 and self_budget and not prompts_waiting:
-            retry_seconds = lambda rows: self._retry_seconds(offers, cost, step, rows)  # noqa: E731
+            retry_seconds = lambda rows: retry_step_seconds(self.costs, offers, cost, step, rows)  # noqa: E731
             # (a retry credits no row: its acceptance is what it measures)
             protected = self.protect_rows and len(offers) > 1 and not draining
             ids = [o.req_id for o in offers]
@@ -331,7 +331,7 @@ class DraftPlanner:
         if not best.beats(plain):
             best = plain
         # The retries' best case stays over every row that would rather self-draft: a retry
-        # prices its own probe (_retry_pays).
+        # prices its own probe (retry_pays).
         # At best each self-draft token costs self_token_cost / m, not the plan's seconds per token.
         per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
         best.best_self_saving = per_token * sum(offers[i].tokens_left for i in self_rows)
@@ -362,31 +362,13 @@ class DraftPlanner:
         retry_rows = {i for i in self_rows if offers[i].has_mask} or {self_rows[0]}
         if not self.retries.due() or seconds(retry_rows) > room:
             return False
-        if not self._retry_pays(offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
+        if not retry_pays(self.costs, offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
             return False
         self.retries.retried()
         choice.self_length, choice.self_rows = 1, retry_rows
         choice.seconds += seconds(retry_rows)
         choice.lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(choice.lookup_lengths)]
         return True
-
-    def _retry_seconds(self, offers, cost, step, rows) -> float:
-        """What a one-token self-draft retry over `rows` adds to a step: the draft step, its
-        probe if the rows have no mask yet, and their verification."""
-        draft_step = self.costs.self_step_seconds(len(rows))
-        return draft_step + self._probe_seconds(offers, rows) + sum(cost[i] for i in rows) + step.t_verify
-
-    def _probe_seconds(self, offers, rows) -> float:
-        """The probe a self-draft over `rows` needs first: none once they have a mask."""
-        return 0.0 if offers[next(iter(rows))].has_mask else self.costs.probe_seconds or 0.0
-
-    def _retry_pays(self, offers, retry_rows, best_saving: float) -> bool:
-        """Whether a retry could pay back what it costs, one draft step over `retry_rows` and a
-        probe if they have no mask yet: probes cost a few target steps, and retries whose best
-        case saves less only slow a batch down. A source never measured is always worth a try."""
-        if not self.costs.self_step_measured:
-            return True
-        return best_saving > self.costs.self_step_seconds(len(retry_rows)) + self._probe_seconds(offers, retry_rows)
 
     def _greedy(
         self,
@@ -449,6 +431,27 @@ class DraftPlanner:
             choice.self_rows = set()
         choice.tokens, choice.seconds = tokens, seconds
         return choice
+
+
+def retry_step_seconds(costs: StepCostModel, offers, cost, step, rows) -> float:
+    """What a one-token self-draft retry over `rows` adds to a step: the draft step, its probe
+    if the rows have no mask yet, and their verification."""
+    draft_step = costs.self_step_seconds(len(rows))
+    return draft_step + probe_seconds(costs, offers, rows) + sum(cost[i] for i in rows) + step.t_verify
+
+
+def probe_seconds(costs: StepCostModel, offers, rows) -> float:
+    """The probe a self-draft over `rows` needs first: none once they have a mask."""
+    return 0.0 if offers[next(iter(rows))].has_mask else costs.probe_seconds or 0.0
+
+
+def retry_pays(costs: StepCostModel, offers, retry_rows, best_saving: float) -> bool:
+    """Whether a retry could pay back what it costs, one draft step over `retry_rows` and a
+    probe if they have no mask yet: probes cost a few target steps, and retries whose best
+    case saves less only slow a batch down. A source never measured is always worth a try."""
+    if not costs.self_step_measured:
+        return True
+    return best_saving > costs.self_step_seconds(len(retry_rows)) + probe_seconds(costs, offers, retry_rows)
 
 
 def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, totals, priced, plain_rate, max_seconds):
