@@ -1045,6 +1045,46 @@ def test_every_plan_leaves_every_row_its_due_whatever_the_offers_and_the_ledger(
         settle(controller, {o.req_id: rng.randint(0, n) for o, n in zip(offers, plan.lookup_lengths)})
 
 
+def test_a_plan_known_to_be_plain_before_the_greedy_is_the_plan_the_greedy_makes(monkeypatch):
+    """The shortcut that skips the greedy plan when every lookup token would leave some row
+    short (`every_lookup_token_binds`) is exact: over random batches of new and trusted rows,
+    ahead of their pace and behind, with and without drafts and self-drafts, each plan is the
+    one made without the shortcut; and the shortcut is taken in a fair share of the steps."""
+    import copy
+    import random
+
+    from vllm_selfspec.control import planner as planner_module
+
+    rng = random.Random(1)
+    controller = trained(t0=0.05, t1=0.0035, self_step=0.004, lookup_rate=0.9, self_rate=0.9, protect_rows=True)
+    with_history(controller, [f"old{i}" for i in range(4)], drafted=8, accepted=6)
+    shortcut = planner_module.every_lookup_token_binds
+    taken = []
+    monkeypatch.setattr(planner_module, "every_lookup_token_binds", lambda *a: taken.append(shortcut(*a)) or taken[-1])
+    for step in range(300):
+        offers = []
+        for i in range(rng.randint(2, 12)):
+            n = rng.choice([0, 0, 1, 3, 8])
+            probs = tuple(rng.choice([0.999, 0.9, 0.5, 0.2]) ** j for j in range(1, n + 1))
+            name = rng.choice(["old", "new"]) + str(i)
+            offers.append(RowOffer(name, lookup_tokens=n, lookup_probs=probs, can_self_draft=rng.random() < 0.3))
+        without, budget = copy.deepcopy(controller), rng.choice([0, 4])
+        with monkeypatch.context() as off:
+            off.setattr(planner_module, "every_lookup_token_binds", lambda *a: False)
+            expected = without.plan(offers, self_budget=budget)
+        assert controller.plan(offers, self_budget=budget) == expected, step
+        settle(controller, {o.req_id: rng.randint(0, n) for o, n in zip(offers, expected.lookup_lengths)})
+    assert 0.2 < sum(taken) / len(taken) < 0.9
+    # It stands for the lookup plan only: a new row without a lookup draft binds every lookup
+    # token, but may still draft with the model itself beside a row ahead of its pace.
+    sure = [RowOffer(name, lookup_tokens=8, lookup_probs=(0.999,) * 8) for name in ("ahead", "other")]
+    with_history(controller, ["ahead", "other"], drafted=8, accepted=8)
+    for _ in range(6):
+        settle(controller, dict(zip(["ahead", "other"], controller.plan(sure, self_budget=0).lookup_lengths)))
+    plan = controller.plan([RowOffer("new", can_self_draft=True), RowOffer("ahead")], self_budget=4)
+    assert plan.self_length == 4 and plan.self_rows == [True, False]
+
+
 def test_the_ledger_settles_a_step_only_as_it_ran():
     """`StepLessons.learn` settles the per-row ledger only when the planned drafts were verified
     whole: a step whose drafts the scheduler withheld (beside a prefill) or cut short, or whose

@@ -228,9 +228,11 @@ class AcceptanceModel:
         drafts drag down."""
         source = DraftSource(offer.lookup_source)
         request = self.lookup_rate(offer.req_id, source) / self.rate(source)
-        gains, gain = [], 1.0
-        for token in self.calibration(offer):
-            rate = self._by_bin[token.bin].rate if token.bin in self._by_bin else token.prior
+        gains, gain, by_bin = [], 1.0, self._by_bin
+        # (as `calibration`'s bins and priors, without making them: asked for every row a step)
+        priors = agreement(offer.lookup_probs) or [self.rate(source)] * offer.lookup_tokens
+        for token_bin, prior in zip(offer.lookup_bins[: offer.lookup_tokens], priors[: offer.lookup_tokens]):
+            rate = by_bin[token_bin].rate if token_bin in by_bin else prior
             gain *= min(rate * request, 0.999)
             gains.append(gain)
         return self.scaled(source, gains) if scaled else gains

@@ -211,7 +211,7 @@ class RowProtection:
             return hint
         if added <= min(self.allowances, default=math.inf):
             return None
-        return next(i for i, allowed in enumerate(self.allowances) if added > allowed)
+        return next((i for i, allowed in enumerate(self.allowances) if added > allowed), None)
 
     def due_without(self, rows: list[int], gains: list[float], added: float) -> bool:
         """Whether these rows, each giving back a draft token (and the step its seconds), would
@@ -312,8 +312,19 @@ class DraftPlanner:
             if self.protect_rows and len(offers) > 1
             else None
         )
-        best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds, protected=protected)
-        if self_rows and self.costs.self_step_measured and self_budget:
+        if protected and every_lookup_token_binds(protected, offers, cost):
+            best = plain  # (the lookup plan the greedy would come to, after giving every token back)
+        else:
+            best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds, protected=protected)
+        # The greedy's rate only rises, so a self-draft token that cannot beat the rate it starts
+        # from is never taken: planning with it would make the same plan, slower.
+        start_rate = verifying[0] / verifying[1]
+        if (
+            self_rows
+            and self.costs.self_step_measured
+            and self_budget
+            and len(self_rows) * self.acceptance.self_rate > (1 + DRAFT_MARGIN) * start_rate * self_token_cost
+        ):
             with_self = self._greedy(
                 offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, max_seconds, protected
             )
@@ -489,6 +500,24 @@ def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, tota
         else:
             choice.lookup_lengths[rows[0]] -= 1
     return tokens, seconds
+
+
+def every_lookup_token_binds(due: RowDue, offers, cost) -> bool:
+    """Whether any lookup token at all would leave some row short of its due, so that the plan
+    is plain decoding's, known before any greedy plan is made (at capacity on chat, most
+    steps). A row credited nothing allows the step to grow by its slack and what it is ahead,
+    and by its own draft's seconds: one that cannot take a token, or two that each cannot pay
+    for the other's cheapest, leave no token any row may take."""
+    offered = [c for c, offer in zip(cost, offers) if offer.lookup_tokens]
+    if not offered:
+        return True
+    slack, cheapest = due.t_plain * (1 / (1 - ROW_SLACK) - 1), min(offered)
+    blocking = [
+        offer.lookup_tokens
+        for offer, trusted, ahead in zip(offers, due.trusted, due.ahead)
+        if not trusted and slack + ahead < cheapest + (0.0 if offer.lookup_tokens else due.t_verify)
+    ]
+    return len(blocking) >= 2 or 0 in blocking
 
 
 def token_to_give_back(protection: RowProtection, taken, seconds: float) -> int:
