@@ -1045,36 +1045,52 @@ def test_every_plan_leaves_every_row_its_due_whatever_the_offers_and_the_ledger(
         settle(controller, {o.req_id: rng.randint(0, n) for o, n in zip(offers, plan.lookup_lengths)})
 
 
-def test_a_plan_known_to_be_plain_before_the_greedy_is_the_plan_the_greedy_makes(monkeypatch):
-    """The shortcut that skips the greedy plan when every lookup token would leave some row
-    short (`every_lookup_token_binds`) is exact: over random batches of new and trusted rows,
-    ahead of their pace and behind, with and without drafts and self-drafts, each plan is the
-    one made without the shortcut; and the shortcut is taken in a fair share of the steps."""
+def test_the_plans_skipped_as_known_are_the_plans_the_greedy_makes(monkeypatch):
+    """Two shortcuts skip a greedy plan whose outcome is known: the lookup plan when every lookup
+    token would leave some row short (`every_lookup_token_binds`), the self-draft plan when its
+    first token cannot beat the starting rate (`self_draft_may_pay`). Both are exact: over random
+    batches of new and trusted rows, greedy and sampled (tokens of different prices), ahead of
+    their pace and behind, with and without drafts and self-drafts, and a verification cost of
+    its own, each plan is the one made without them; and each decides both ways, often."""
     import copy
     import random
 
     from vllm_selfspec.control import planner as planner_module
 
     rng = random.Random(1)
-    controller = trained(t0=0.05, t1=0.0035, self_step=0.004, lookup_rate=0.9, self_rate=0.9, protect_rows=True)
+    controller = trained(
+        t0=0.05, t1=0.0035, self_step=0.004, lookup_rate=0.9, self_rate=0.9, t_sampled=0.003, t_verify=0.004
+    )
+    controller.planner.protect_rows = True
     with_history(controller, [f"old{i}" for i in range(4)], drafted=8, accepted=6)
-    shortcut = planner_module.every_lookup_token_binds
-    taken = []
-    monkeypatch.setattr(planner_module, "every_lookup_token_binds", lambda *a: taken.append(shortcut(*a)) or taken[-1])
-    for step in range(300):
+    taken = {"every_lookup_token_binds": [], "self_draft_may_pay": []}
+    for name, calls in taken.items():
+        shortcut = getattr(planner_module, name)
+        monkeypatch.setattr(planner_module, name, lambda *a, f=shortcut, c=calls: c.append(f(*a)) or c[-1])
+    for step in range(400):
         offers = []
         for i in range(rng.randint(2, 12)):
             n = rng.choice([0, 0, 1, 3, 8])
             probs = tuple(rng.choice([0.999, 0.9, 0.5, 0.2]) ** j for j in range(1, n + 1))
             name = rng.choice(["old", "new"]) + str(i)
-            offers.append(RowOffer(name, lookup_tokens=n, lookup_probs=probs, can_self_draft=rng.random() < 0.3))
+            offers.append(
+                RowOffer(
+                    name,
+                    lookup_tokens=n,
+                    lookup_probs=probs,
+                    sampled=rng.random() < 0.5,
+                    can_self_draft=rng.random() < 0.3,
+                )
+            )
         without, budget = copy.deepcopy(controller), rng.choice([0, 4])
         with monkeypatch.context() as off:
             off.setattr(planner_module, "every_lookup_token_binds", lambda *a: False)
+            off.setattr(planner_module, "self_draft_may_pay", lambda *a: True)
             expected = without.plan(offers, self_budget=budget)
         assert controller.plan(offers, self_budget=budget) == expected, step
         settle(controller, {o.req_id: rng.randint(0, n) for o, n in zip(offers, expected.lookup_lengths)})
-    assert 0.2 < sum(taken) / len(taken) < 0.9
+    for calls in taken.values():
+        assert 0.1 < sum(calls) / len(calls) < 0.9
     # It stands for the lookup plan only: a new row without a lookup draft binds every lookup
     # token, but may still draft with the model itself beside a row ahead of its pace.
     sure = [RowOffer(name, lookup_tokens=8, lookup_probs=(0.999,) * 8) for name in ("ahead", "other")]
@@ -1083,6 +1099,40 @@ def test_a_plan_known_to_be_plain_before_the_greedy_is_the_plan_the_greedy_makes
         settle(controller, dict(zip(["ahead", "other"], controller.plan(sure, self_budget=0).lookup_lengths)))
     plan = controller.plan([RowOffer("new", can_self_draft=True), RowOffer("ahead")], self_budget=4)
     assert plan.self_length == 4 and plan.self_rows == [True, False]
+
+
+def test_the_lookup_plan_is_skipped_only_where_the_greedy_would_keep_no_token():
+    """`every_lookup_token_binds` against the greedy plan held to the per-row rule, on random
+    rows (trusted or not, ahead of their pace or behind, tokens of different prices, with and
+    without verification's fixed cost): where it says every token binds, the greedy keeps
+    none; and it says so, and the greedy drafts, often."""
+    import itertools
+    import random
+
+    from vllm_selfspec.control.planner import RowDue, every_lookup_token_binds
+
+    rng = random.Random(2)
+    planner = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.9, self_rate=0.9).planner
+    skipped = drafted = 0
+    for _ in range(6000):
+        offers = [RowOffer(f"r{i}", lookup_tokens=rng.choice([0, 0, 1, 3, 8])) for i in range(rng.randint(2, 10))]
+        cost = [rng.uniform(0.001, 0.01) for _ in offers]
+        gains = [
+            list(itertools.accumulate([rng.uniform(0.5, 0.999)] * o.lookup_tokens, lambda g, a: g * a)) for o in offers
+        ]
+        t_plain, t_verify = 0.05 + sum(cost), rng.choice([0.0, 0.004])
+        due = RowDue(
+            t_plain,
+            t_verify,
+            trusted=[rng.random() < 0.5 for _ in offers],
+            ahead=[rng.choice([-0.002, 0.0, 0.002, 0.004, 0.006, 0.02]) for _ in offers],
+        )
+        plan = planner._greedy(offers, gains, cost, (len(offers), t_plain + t_verify), protected=due)
+        if every_lookup_token_binds(due, offers, cost):
+            skipped += 1
+            assert sum(plan.lookup_lengths) == 0, (due, cost, [o.lookup_tokens for o in offers])
+        drafted += sum(plan.lookup_lengths) > 0
+    assert skipped > 300 and drafted > 300
 
 
 def test_the_ledger_settles_a_step_only_as_it_ran():

@@ -313,17 +313,14 @@ class DraftPlanner:
             else None
         )
         if protected and every_lookup_token_binds(protected, offers, cost):
-            best = plain  # (the lookup plan the greedy would come to, after giving every token back)
+            best = plain  # (the greedy would give every token back, and then not beat plain)
         else:
             best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds, protected=protected)
-        # The greedy's rate only rises, so a self-draft token that cannot beat the rate it starts
-        # from is never taken: planning with it would make the same plan, slower.
-        start_rate = verifying[0] / verifying[1]
         if (
             self_rows
             and self.costs.self_step_measured
             and self_budget
-            and len(self_rows) * self.acceptance.self_rate > (1 + DRAFT_MARGIN) * start_rate * self_token_cost
+            and self_draft_may_pay(len(self_rows) * self.acceptance.self_rate, self_token_cost, verifying)
         ):
             with_self = self._greedy(
                 offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, max_seconds, protected
@@ -502,12 +499,22 @@ def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, tota
     return tokens, seconds
 
 
+def self_draft_may_pay(gain: float, seconds: float, start: tuple[float, float]) -> bool:
+    """Whether a first self-draft token (`gain` tokens over the rows for `seconds`) beats, by
+    the margin, the rate a greedy plan starts from (`start`: tokens, seconds). While the greedy
+    takes tokens its rate only rises, so a token that cannot beat the rate it starts from is
+    never taken, nor any deeper one: planning with it would make the same plan, slower."""
+    return gain > (1 + DRAFT_MARGIN) * (start[0] / start[1]) * seconds
+
+
 def every_lookup_token_binds(due: RowDue, offers, cost) -> bool:
-    """Whether any lookup token at all would leave some row short of its due, so that the plan
-    is plain decoding's, known before any greedy plan is made (at capacity on chat, most
-    steps). A row credited nothing allows the step to grow by its slack and what it is ahead,
-    and by its own draft's seconds: one that cannot take a token, or two that each cannot pay
-    for the other's cheapest, leave no token any row may take."""
+    """A sufficient sign that every lookup token would leave some row short of its due, so that
+    the lookup plan is plain decoding's, known before any greedy plan is made (at capacity on
+    chat, most steps). A row credited nothing allows the step to grow by its slack and what it
+    is ahead, and by its own draft's seconds if it drafts: one without a lookup draft that cannot
+    allow the batch's cheapest token with verification's fixed cost, or two with drafts that
+    cannot allow the batch's cheapest token, leave no token any row may take. (It looks at
+    untrusted rows only: a check, not the rule.)"""
     offered = [c for c, offer in zip(cost, offers) if offer.lookup_tokens]
     if not offered:
         return True
