@@ -212,12 +212,17 @@ class AcceptanceModel:
         )
 
     def calibration(self, offer, length: int | None = None) -> list[BinPrior]:
-        """The bins and priors of an offer's first `length` lookup tokens (all by default). A
-        token's prior is the share of occurrences that agree on it (suffix decoding's own
-        estimate), or without probabilities its source's overall rate."""
+        """The bins and priors of an offer's first `length` lookup tokens (all by default)."""
+        return [BinPrior(b, p) for b, p in self._bins_and_priors(offer, length)]
+
+    def _bins_and_priors(self, offer, length: int | None = None):
+        """(bin, prior) of an offer's first `length` lookup tokens. A token's prior is the share
+        of occurrences that agree on it (suffix decoding's own estimate), or without
+        probabilities its source's overall rate. (Pairs, not `BinPrior`s: `lookup_gains` asks
+        for every row a step.)"""
         length = offer.lookup_tokens if length is None else length
         shares = agreement(offer.lookup_probs) or [self.rate(offer.lookup_source)] * offer.lookup_tokens
-        return [BinPrior(b, p) for b, p in zip(offer.lookup_bins[:length], shares[:length])]
+        return zip(offer.lookup_bins[:length], shares[:length])
 
     def lookup_gains(self, offer, scaled: bool = True) -> list[float]:
         """Expected tokens from each depth j of a row's lookup draft: the chance that its first
@@ -229,9 +234,7 @@ class AcceptanceModel:
         source = DraftSource(offer.lookup_source)
         request = self.lookup_rate(offer.req_id, source) / self.rate(source)
         gains, gain, by_bin = [], 1.0, self._by_bin
-        # (as `calibration`'s bins and priors, without making them: asked for every row a step)
-        priors = agreement(offer.lookup_probs) or [self.rate(source)] * offer.lookup_tokens
-        for token_bin, prior in zip(offer.lookup_bins[: offer.lookup_tokens], priors[: offer.lookup_tokens]):
+        for token_bin, prior in self._bins_and_priors(offer):
             rate = by_bin[token_bin].rate if token_bin in by_bin else prior
             gain *= min(rate * request, 0.999)
             gains.append(gain)

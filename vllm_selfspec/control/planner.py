@@ -296,7 +296,7 @@ class DraftPlanner:
         `prompts_waiting`."""
         plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=t0 + sum(cost))
         max_seconds = plain.seconds * (1 + FIRST_TOKEN_SLACK) if prompts_waiting else math.inf
-        self_token_cost = self._self_token_cost(cost, self_rows)
+        self_token_cost = self_token_seconds(self.costs, cost, self_rows)
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
@@ -325,10 +325,10 @@ class DraftPlanner:
             with_self = self._greedy(
                 offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, max_seconds, protected
             )
-            unpaid = self._unpaid_probes(offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
+            unpaid = unpaid_probes(self.costs, offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
             if unpaid:  # plan again without them (they may still take their lookup drafts)
                 kept = [i for i in self_rows if i not in unpaid]
-                kept_cost = self._self_token_cost(cost, kept)
+                kept_cost = self_token_seconds(self.costs, cost, kept)
                 with_self = (
                     self._greedy(offers, gains, cost, verifying, kept, self_budget, kept_cost, max_seconds, protected)
                     if kept
@@ -344,24 +344,6 @@ class DraftPlanner:
         per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
         best.best_self_saving = per_token * sum(offers[i].tokens_left for i in self_rows)
         return best
-
-    def _self_token_cost(self, cost, self_rows) -> float:
-        """Seconds one self-draft token in each of `self_rows` adds: their verification, and a
-        draft step over them."""
-        return sum(cost[i] for i in self_rows) + self.costs.self_step_seconds(len(self_rows))
-
-    def _unpaid_probes(self, offers, self_rows, without_self: Choice, with_self: Choice) -> set[int]:
-        """The rows without a mask whose probe costs more than self-drafting would save them: the
-        seconds per token that self-drafting saves this step (over the whole batch, an
-        approximation of a row's own share), times each row's tokens left. In a server every
-        request is new once; a probe costs a few target steps, more than a short request can win
-        back. Before any probe is timed, probes are free (to time one)."""
-        probe = self.costs.probe_seconds
-        new = {i for i in self_rows if not offers[i].has_mask}
-        saving = without_self.seconds / without_self.tokens - with_self.seconds / with_self.tokens
-        if probe is None or not new or not with_self.self_length or saving <= 0:
-            return set()  # (with no saving, self-drafting is not chosen anyway)
-        return {i for i in new if saving * offers[i].tokens_left < probe}
 
     def _maybe_retry(self, offers, self_rows, choice: Choice, self_budget: int, *, seconds, room: float) -> bool:
         """Turn `choice` into a one-step self-draft retry when one is due and could pay: with
@@ -441,6 +423,26 @@ class DraftPlanner:
         return choice
 
 
+def self_token_seconds(costs: StepCostModel, cost, self_rows) -> float:
+    """Seconds one self-draft token in each of `self_rows` adds: their verification, and a
+    draft step over them."""
+    return sum(cost[i] for i in self_rows) + costs.self_step_seconds(len(self_rows))
+
+
+def unpaid_probes(costs: StepCostModel, offers, self_rows, without_self: Choice, with_self: Choice) -> set[int]:
+    """The rows without a mask whose probe costs more than self-drafting would save them: the
+    seconds per token that self-drafting saves this step (over the whole batch, an
+    approximation of a row's own share), times each row's tokens left. In a server every
+    request is new once; a probe costs a few target steps, more than a short request can win
+    back. Before any probe is timed, probes are free (to time one)."""
+    probe = costs.probe_seconds
+    new = {i for i in self_rows if not offers[i].has_mask}
+    saving = without_self.seconds / without_self.tokens - with_self.seconds / with_self.tokens
+    if probe is None or not new or not with_self.self_length or saving <= 0:
+        return set()  # (with no saving, self-drafting is not chosen anyway)
+    return {i for i in new if saving * offers[i].tokens_left < probe}
+
+
 def retry_step_seconds(costs: StepCostModel, offers, cost, step, rows) -> float:
     """What a one-token self-draft retry over `rows` adds to a step: the draft step, its probe
     if the rows have no mask yet, and their verification."""
@@ -518,11 +520,13 @@ def every_lookup_token_binds(due: RowDue, offers, cost) -> bool:
     offered = [c for c, offer in zip(cost, offers) if offer.lookup_tokens]
     if not offered:
         return True
-    slack, cheapest = due.t_plain * (1 / (1 - ROW_SLACK) - 1), min(offered)
+    cheapest = min(offered)
+    # (a row's allowance before any token is taken: for a row credited nothing, its slack and
+    # what it is ahead)
     blocking = [
         offer.lookup_tokens
-        for offer, trusted, ahead in zip(offers, due.trusted, due.ahead)
-        if not trusted and slack + ahead < cheapest + (0.0 if offer.lookup_tokens else due.t_verify)
+        for offer, trusted, allowed in zip(offers, due.trusted, RowProtection(due).allowances)
+        if not trusted and allowed < cheapest + (0.0 if offer.lookup_tokens else due.t_verify)
     ]
     return len(blocking) >= 2 or 0 in blocking
 
