@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer
-from vllm_selfspec.control.acceptance import token_bins
+from vllm_selfspec.control.acceptance import AcceptanceModel, token_bins
 from vllm_selfspec.lookup import SEPARATOR, OutputHistory, lookup_draft, suffix_draft
 
 from reference import numpy_suffix_draft
@@ -206,7 +206,11 @@ def test_token_bins_by_match_length_and_agreement():
         ("lookup", False, 1, 2),
     ]
     assert token_bins("history", (0.9,), 12, 1, sampled=True) == [("history", True, 3, 4)]
-    assert token_bins("lookup", (), 0, 2) == [("lookup", False)] * 2  # no probabilities: one bin
+    # Without probabilities (a prediction), one bin per match bucket: how far the output has
+    # followed the prediction, 0-1 | 2-3 | 4-7 | 8+.
+    assert token_bins("prediction", (), 0, 2) == [("prediction", False, 0)] * 2
+    assert token_bins("prediction", (), 3, 1) == [("prediction", False, 1)]
+    assert token_bins("prediction", (), 40, 1, sampled=True) == [("prediction", True, 3)]
 
 
 def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere():
@@ -220,6 +224,21 @@ def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere()
     # What the proposer counts against verification's outcome: the gains of the tokens it drafts.
     assert controller.expected_accepted(offer, 1).planned == pytest.approx(0.75)
     assert controller.expected_accepted(offer, 2).planned == pytest.approx(sum(gains))
+
+
+def test_a_prediction_just_rejoined_is_priced_by_what_such_drafts_did_not_by_long_runs():
+    """Drafts made just after the output rejoined its prediction fail; those deep in a long run
+    hold: each run bucket learns its own, so the planner prices the two apart."""
+    acceptance = AcceptanceModel()
+
+    def offer(req_id, run):
+        return RowOffer(req_id, lookup_tokens=4, lookup_source="prediction", lookup_match=run)
+
+    for i in range(30):
+        acceptance.observe_draft(f"r{i}", "prediction", 4, 0, acceptance.calibration(offer(f"r{i}", 3)))
+        acceptance.observe_draft(f"r{i}", "prediction", 4, 4, acceptance.calibration(offer(f"r{i}", 40)))
+    fresh, deep = acceptance.lookup_gains(offer("new", 3)), acceptance.lookup_gains(offer("new", 40))
+    assert fresh[0] < 0.3 < 0.9 < deep[0]
 
 
 def test_acceptance_rate_counts_trials_up_to_the_first_rejection():

@@ -32,6 +32,39 @@ def test_an_edit_in_the_middle_resumes_drafting_where_the_output_rejoins():
     assert prediction_usage(FILE, edited) == (35, 5)  # the 15 before the edit and the 20 after it
 
 
+def test_the_run_counts_the_tokens_followed_since_the_cursor_last_stood():
+    """What the planner prices a prediction's draft by (its match bucket): 0 where the output
+    departs, REJOIN_TOKENS where it rejoins (the tokens that found the way back), one more per
+    token followed."""
+    edited = FILE[:15] + [7, 8, 9] + FILE[20:]
+    cursor = PredictionCursor(FILE)
+    assert cursor.run == 0
+    cursor.follow(edited[:10])
+    assert cursor.run == 10
+    cursor.follow(edited[:16])  # departs
+    assert cursor.run == 0
+    cursor.follow(edited[: 18 + REJOIN_TOKENS])  # rejoins
+    assert cursor.run == REJOIN_TOKENS
+    cursor.follow(edited[: 18 + REJOIN_TOKENS + 5])
+    assert cursor.run == REJOIN_TOKENS + 5
+
+
+def test_a_rows_prediction_draft_carries_its_run_as_its_match_length():
+    """The offer the planner prices: the run, not a fixed bin for every prediction token."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.control import DraftSource
+    from vllm_selfspec.fail_safe import FailSafe
+    from vllm_selfspec.options import make_options
+    from vllm_selfspec.row_lookup import RowLookup
+
+    edited = FILE[:15] + [7, 8, 9] + FILE[20:]  # rejoins after the edit, then follows 2 more
+    step = SimpleNamespace(prediction=lambda row, limit: FILE[:limit], output=lambda row: edited[: 20 + REJOIN_TOKENS])
+    source, draft = RowLookup(make_options({}), FailSafe())._predicted(step, SimpleNamespace(req_id="a", index=0), 4)
+    want = (DraftSource.PREDICTION, FILE[22 + REJOIN_TOKENS : 26 + REJOIN_TOKENS], REJOIN_TOKENS + 2)
+    assert (source, draft.tokens.tolist(), draft.match) == want
+
+
 def test_a_prediction_wrong_from_its_first_token_drafts_nothing_and_counts_nothing_used():
     cursor = PredictionCursor(FILE)
     output = list(range(500, 530))

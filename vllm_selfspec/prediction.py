@@ -80,6 +80,10 @@ class PredictionCursor:
         self.position: int | None = 0  # the prediction's token the output's next token should be
         self.lost_at = 0  # where the cursor last stood before the output departed
         self.seen = 0  # output tokens followed so far
+        # Output tokens that equalled the prediction's in a row where the cursor stands (those
+        # that found the way back count): the longer, the likelier the next draft holds, as a
+        # lookup's match length says (`control.acceptance.token_bins`).
+        self.run = 0
         self.credited = np.zeros(len(self.tokens), dtype=bool)  # prediction tokens the output used
         ends = np.arange(REJOIN_TOKENS, len(self.tokens) + 1)
         keys = _gram_keys(self.tokens)
@@ -97,13 +101,14 @@ class PredictionCursor:
             at = self.position
             if at is not None and at < len(self.tokens) and self.tokens[at] == output[i]:
                 self.credited[at] = True
-                self.position = at + 1
+                self.position, self.run = at + 1, self.run + 1
                 continue
             if at is not None:
                 self.lost_at, self.position = at, None
-            self.position = self._rejoin(output[max(0, i + 1 - REJOIN_TOKENS) : i + 1])
+            self.position, self.run = self._rejoin(output[max(0, i + 1 - REJOIN_TOKENS) : i + 1]), 0
             if self.position is not None:  # the tokens that found the way back were used too
                 self.credited[self.position - REJOIN_TOKENS : self.position] = True
+                self.run = REJOIN_TOKENS
         self.seen = len(output)
 
     def draft(self, max_tokens: int) -> np.ndarray:

@@ -128,7 +128,8 @@ class RowLookup:
         fault_point("lookup", tokens=cursor.tokens)
         cursor.follow(step.output(row.index))
         tokens = cursor.draft(budget)
-        return DraftSource.PREDICTION, LookupDraft(tokens.copy()) if len(tokens) else NO_DRAFT
+        # (its run is its match length: how far the output has followed it here)
+        return DraftSource.PREDICTION, LookupDraft(tokens.copy(), match=cursor.run) if len(tokens) else NO_DRAFT
 
     def _row(self, step, row, budget: int) -> Found:
         context = step.context(row.index)

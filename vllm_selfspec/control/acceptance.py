@@ -88,11 +88,12 @@ def token_bins(source: str, probs: tuple[float, ...], match: int, length: int, s
     """Each lookup draft token's calibration bin: its source, whether its row samples (a
     sampled row accepts a token with the target's probability of it, a greedy row only if it
     is the argmax: rates learned on one say little about the other), its match-length bucket
-    and its agreement bucket. Without probabilities, one bin per source and kind of row."""
+    and its agreement bucket. Without probabilities (a prediction, whose match is how far the
+    output has followed it), one bin per source, kind of row and match bucket."""
     source = DraftSource(source).value
-    if not probs:
-        return [(source, sampled)] * length
     match_bucket = bisect.bisect_right(MATCH_EDGES, match)
+    if not probs:
+        return [(source, sampled, match_bucket)] * length
     return [
         (source, sampled, match_bucket, bisect.bisect_right(AGREEMENT_EDGES, share))
         for share in agreement(probs[:length])
@@ -148,7 +149,8 @@ class AcceptanceModel:
     rates: dict[DraftSource, AcceptanceRate] = field(default_factory=default_rates)
     # Lookup acceptance per request and source (prior: the source's overall rate).
     _by_request: dict[tuple[str, DraftSource], AcceptanceRate] = field(default_factory=dict)
-    # Lookup acceptance per token bin (prior: the agreement share of its first token).
+    # Lookup acceptance per token bin (prior: the agreement share of its first token, or without
+    # probabilities, as for a prediction, its source's rate).
     _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
     # Per lookup source, verification's outcome over the unscaled estimates of the drafts chosen.
     estimate_calibration: dict[DraftSource, EstimateCalibration] = field(
