@@ -1032,9 +1032,9 @@ def test_at_capacity_sure_drafts_are_kept_for_every_row_that_has_one():
 
 def test_every_plan_leaves_every_row_its_due_whatever_the_offers_and_the_ledger():
     """The per-row rule as a property, checked apart from the planner's own arithmetic: over
-    random batches of sure, weak, short, new and trusted rows, some ahead of their pace and some
-    behind, every plan leaves each row i (1 + g_i) / t_i >= (1 - ROW_SLACK) / t_plain, with
-    what it carries added (or is no plan at all)."""
+    random batches of sure, weak, short, new and trusted rows, lookups and predictions, some
+    ahead of their pace and some behind, every plan leaves each row i (1 + g_i) / t_i >=
+    (1 - ROW_SLACK) / t_plain, with what it carries added (or is no plan at all)."""
     import random
 
     from vllm_selfspec.control.planner import ROW_SLACK
@@ -1047,7 +1047,14 @@ def test_every_plan_leaves_every_row_its_due_whatever_the_offers_and_the_ledger(
         for i in range(rng.randint(2, 12)):
             n = rng.choice([0, 0, 1, 3, 8])
             probs = tuple(rng.choice([0.999, 0.9, 0.5, 0.2]) ** j for j in range(1, n + 1))
-            offers.append(RowOffer(rng.choice(["old", "new"]) + str(i), lookup_tokens=n, lookup_probs=probs))
+            req_id = rng.choice(["old", "new"]) + str(i)
+            if rng.random() < 0.25:  # a prediction: no probabilities, its run as its match
+                offer = RowOffer(
+                    req_id, lookup_tokens=n, lookup_source="prediction", lookup_match=rng.choice([0, 3, 12])
+                )
+            else:
+                offer = RowOffer(req_id, lookup_tokens=n, lookup_probs=probs)
+            offers.append(offer)
         plan = controller.plan(offers, self_budget=0)
         ledger, acceptance = controller.planner.ledger, controller.acceptance
         target = controller.costs.target()
