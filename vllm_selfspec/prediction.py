@@ -105,10 +105,10 @@ class PredictionCursor:
                 continue
             if at is not None:
                 self.lost_at, self.position = at, None
-            self.position, self.run = self._rejoin(output[max(0, i + 1 - REJOIN_TOKENS) : i + 1]), 0
+            self.position = self._rejoin(output[max(0, i + 1 - REJOIN_TOKENS) : i + 1])
+            self.run = 0 if self.position is None else REJOIN_TOKENS
             if self.position is not None:  # the tokens that found the way back were used too
                 self.credited[self.position - REJOIN_TOKENS : self.position] = True
-                self.run = REJOIN_TOKENS
         self.seen = len(output)
 
     def draft(self, max_tokens: int) -> np.ndarray:
