@@ -1094,9 +1094,9 @@ def test_the_plans_skipped_as_known_are_the_plans_the_greedy_makes(monkeypatch):
         shortcut = getattr(planner_module, name)
         monkeypatch.setattr(planner_module, name, lambda *a, f=shortcut, c=calls: c.append(f(*a)) or c[-1])
     for step in range(400):
-        offers = []
+        offers, every_row_offers = [], rng.random() < 0.5  # (a row without a draft mostly binds)
         for i in range(rng.randint(2, 12)):
-            n = rng.choice([0, 0, 1, 3, 8])
+            n = rng.choice([1, 3, 8] if every_row_offers else [0, 0, 1, 3, 8])
             probs = tuple(rng.choice([0.999, 0.9, 0.5, 0.2]) ** j for j in range(1, n + 1))
             name = rng.choice(["old", "new"]) + str(i)
             offers.append(
@@ -1131,15 +1131,15 @@ def test_the_lookup_plan_is_skipped_only_where_the_greedy_would_keep_no_token():
     """`every_lookup_token_binds` against the greedy plan held to the per-row rule, on random
     rows (trusted or not, ahead of their pace or behind, tokens of different prices, with and
     without verification's fixed cost): where it says every token binds, the greedy keeps
-    none; and it says so, and the greedy drafts, often."""
+    none; and it says so, and the greedy drafts, often. And the greedy leaves every row its due."""
     import itertools
     import random
 
-    from vllm_selfspec.control.planner import RowDue, every_lookup_token_binds
+    from vllm_selfspec.control.planner import ROW_SLACK, RowDue, every_lookup_token_binds
 
     rng = random.Random(2)
     planner = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.9, self_rate=0.9).planner
-    skipped = drafted = 0
+    skipped = drafted = behind_drafting = 0
     for _ in range(6000):
         offers = [RowOffer(f"r{i}", lookup_tokens=rng.choice([0, 0, 1, 3, 8])) for i in range(rng.randint(2, 10))]
         cost = [rng.uniform(0.001, 0.01) for _ in offers]
@@ -1158,7 +1158,14 @@ def test_the_lookup_plan_is_skipped_only_where_the_greedy_would_keep_no_token():
             skipped += 1
             assert sum(plan.lookup_lengths) == 0, (due, cost, [o.lookup_tokens for o in offers])
         drafted += sum(plan.lookup_lengths) > 0
-    assert skipped > 300 and drafted > 300
+        # And the greedy held to the rule leaves every row its due, rows behind among them.
+        added = sum(c * n for c, n in zip(cost, plan.lookup_lengths)) + t_verify * (sum(plan.lookup_lengths) > 0)
+        for i, n in enumerate(plan.lookup_lengths):
+            allowed = t_plain * ((1 + due.trusted[i] * sum(gains[i][:n])) / (1 - ROW_SLACK) - 1) + due.ahead[i]
+            allowed += cost[i] * n + t_verify if n else 0.0
+            assert not sum(plan.lookup_lengths) or added <= allowed + 1e-9
+            behind_drafting += bool(n) and due.ahead[i] < 0
+    assert skipped > 300 and drafted > 300 and behind_drafting > 100
 
 
 def test_the_ledger_settles_a_step_only_as_it_ran():

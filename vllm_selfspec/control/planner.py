@@ -157,7 +157,7 @@ class Choice:
         decoding's own, by the margin."""
         added_seconds = self.seconds - plain.seconds
         return self.tokens > plain.tokens and (
-            added_seconds <= 0 or (self.tokens - plain.tokens) / added_seconds > (1 + DRAFT_MARGIN) * plain.rate
+            added_seconds <= 0 or beats_by_margin((self.tokens - plain.tokens) / added_seconds, plain.rate)
         )
 
 
@@ -391,7 +391,7 @@ class DraftPlanner:
         if self_rows and self_budget:
             candidates.append((-m * a_self / self_token_cost, "self", -1, 1))
         heapq.heapify(candidates)
-        while candidates and -candidates[0][0] > (1 + DRAFT_MARGIN) * tokens / seconds:
+        while candidates and beats_by_margin(-candidates[0][0], tokens / seconds):
             ratio, kind, i, depth = heapq.heappop(candidates)
             if seconds + (cost[i] if kind == "lookup" else self_token_cost) > max_seconds:
                 continue
@@ -501,12 +501,17 @@ def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, tota
     return tokens, seconds
 
 
+def beats_by_margin(tokens_per_second: float, rate: float) -> bool:
+    """Whether draft tokens that add `tokens_per_second` beat a step's `rate` by DRAFT_MARGIN."""
+    return tokens_per_second > (1 + DRAFT_MARGIN) * rate
+
+
 def self_draft_may_pay(gain: float, seconds: float, start: tuple[float, float]) -> bool:
     """Whether a first self-draft token (`gain` tokens over the rows for `seconds`) beats, by
     the margin, the rate a greedy plan starts from (`start`: tokens, seconds). While the greedy
     takes tokens its rate only rises, so a token that cannot beat the rate it starts from is
     never taken, nor any deeper one: planning with it would make the same plan, slower."""
-    return gain > (1 + DRAFT_MARGIN) * (start[0] / start[1]) * seconds
+    return beats_by_margin(gain / seconds, start[0] / start[1])
 
 
 def every_lookup_token_binds(due: RowDue, offers, cost) -> bool:
