@@ -379,6 +379,21 @@ def self_rows(count, start=100):
     return [RowOffer(f"r{start + i}", can_self_draft=True) for i in range(count)]
 
 
+def assert_every_row_left_its_due(lengths, *, cost, t_plain, t_verify, credited, ahead, context=None):
+    """The per-row rule, written apart from the planner's arithmetic: a plan of lookup drafts
+    `lengths` (tokens of `cost` seconds each) leaves each row i (1 + g_i) / t_i >= (1 -
+    ROW_SLACK) / t_plain, g_i the tokens it is `credited`, with what it is `ahead` added; a
+    plan that drafts nothing passes."""
+    from vllm_selfspec.control.planner import ROW_SLACK
+
+    drafted = sum(lengths) > 0
+    added = sum(c * n for c, n in zip(cost, lengths)) + t_verify * drafted
+    for i, n in enumerate(lengths):
+        allowed = t_plain * ((1 + credited[i]) / (1 - ROW_SLACK) - 1) + ahead[i]
+        allowed += cost[i] * n + t_verify if n else 0.0
+        assert not drafted or added <= allowed + 1e-9, (context, i, lengths)
+
+
 def with_history(controller, req_ids, drafted=4, accepted=4, times=3):
     """Requests whose lookup drafts have been verified often enough to be trusted."""
     for req_id in req_ids:
@@ -1037,8 +1052,6 @@ def test_every_plan_leaves_every_row_its_due_whatever_the_offers_and_the_ledger(
     (1 - ROW_SLACK) / t_plain, with what it carries added (or is no plan at all)."""
     import random
 
-    from vllm_selfspec.control.planner import ROW_SLACK
-
     rng = random.Random(0)
     controller = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.9, self_rate=0.9, protect_rows=True)
     with_history(controller, [f"old{i}" for i in range(4)], drafted=8, accepted=6)
@@ -1060,14 +1073,20 @@ def test_every_plan_leaves_every_row_its_due_whatever_the_offers_and_the_ledger(
         target = controller.costs.target()
         cost = [target.t_row + target.t_context * o.context / 1000 for o in offers]
         t_plain = target.t0 + sum(cost)
-        drafted = sum(plan.lookup_lengths) > 0
-        added = sum(c * n for c, n in zip(cost, plan.lookup_lengths)) + target.t_verify * drafted
         ahead = ledger.ahead([o.req_id for o in offers])
-        for i, (o, n) in enumerate(zip(offers, plan.lookup_lengths)):
-            credit = sum(acceptance.lookup_gains(o)[:n]) if acceptance.trusted(o) and ahead[i] >= 0 else 0.0
-            allowed = t_plain * ((1 + credit) / (1 - ROW_SLACK) - 1) + ahead[i]
-            allowed += cost[i] * n + target.t_verify if n else 0.0
-            assert not drafted or added <= allowed + 1e-9, (step, i, plan.lookup_lengths)
+        credited = [
+            sum(acceptance.lookup_gains(o)[:n]) if acceptance.trusted(o) and a >= 0 else 0.0
+            for o, n, a in zip(offers, plan.lookup_lengths, ahead)
+        ]
+        assert_every_row_left_its_due(
+            plan.lookup_lengths,
+            cost=cost,
+            t_plain=t_plain,
+            t_verify=target.t_verify,
+            credited=credited,
+            ahead=ahead,
+            context=step,
+        )
         settle(controller, {o.req_id: rng.randint(0, n) for o, n in zip(offers, plan.lookup_lengths)})
 
 
@@ -1135,7 +1154,7 @@ def test_the_lookup_plan_is_skipped_only_where_the_greedy_would_keep_no_token():
     import itertools
     import random
 
-    from vllm_selfspec.control.planner import ROW_SLACK, RowDue, every_lookup_token_binds
+    from vllm_selfspec.control.planner import RowDue, every_lookup_token_binds
 
     rng = random.Random(2)
     planner = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.9, self_rate=0.9).planner
@@ -1159,12 +1178,15 @@ def test_the_lookup_plan_is_skipped_only_where_the_greedy_would_keep_no_token():
             assert sum(plan.lookup_lengths) == 0, (due, cost, [o.lookup_tokens for o in offers])
         drafted += sum(plan.lookup_lengths) > 0
         # And the greedy held to the rule leaves every row its due, rows behind among them.
-        added = sum(c * n for c, n in zip(cost, plan.lookup_lengths)) + t_verify * (sum(plan.lookup_lengths) > 0)
-        for i, n in enumerate(plan.lookup_lengths):
-            allowed = t_plain * ((1 + due.trusted[i] * sum(gains[i][:n])) / (1 - ROW_SLACK) - 1) + due.ahead[i]
-            allowed += cost[i] * n + t_verify if n else 0.0
-            assert not sum(plan.lookup_lengths) or added <= allowed + 1e-9
-            behind_drafting += bool(n) and due.ahead[i] < 0
+        assert_every_row_left_its_due(
+            plan.lookup_lengths,
+            cost=cost,
+            t_plain=t_plain,
+            t_verify=t_verify,
+            credited=[t * sum(g[:n]) for t, g, n in zip(due.trusted, gains, plan.lookup_lengths)],
+            ahead=due.ahead,
+        )
+        behind_drafting += sum(bool(n) and a < 0 for n, a in zip(plan.lookup_lengths, due.ahead))
     assert skipped > 300 and drafted > 300 and behind_drafting > 100
 
 
