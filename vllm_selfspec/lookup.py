@@ -80,10 +80,10 @@ def _compiled(function):
 
 # Bounds on one lookup's work, whatever the context or history. A context of one repeated token
 # has an occurrence of its last token at every position, and following all of them costs time
-# that grows with the context (tens of milliseconds per row at a few thousand tokens), on every
-# step of every request in the batch. Ordinary contexts have far fewer occurrences than these
-# caps, so their drafts are unchanged; past them, the most recent occurrences are measured and
-# the longest matches among those followed, which are the ones a draft's probabilities rest on.
+# that grows with the context, on every step of every request in the batch. Ordinary contexts
+# have far fewer occurrences than these caps, so their drafts are unchanged; past them, the most
+# recent occurrences are measured and the longest matches among those followed, which are the
+# ones a draft's probabilities rest on.
 MAX_OCCURRENCES_SCANNED = 4096  # the most recent occurrences of the last token whose match is measured
 MAX_OCCURRENCES_FOLLOWED = 256  # of those, the longest matches (most recent among equals) followed
 

@@ -102,7 +102,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 @dataclass(frozen=True)
 class SelfAdmgOptions:
     """How each sequence's draft is chosen and run. The thresholds' defaults were the best of the
-    settings tried on SmolLM2-135M-Instruct, HumanEval, batch 1 (benchmarks/NOTES.md, entries 1-4)."""
+    settings tried on SmolLM2-135M-Instruct, HumanEval, batch 1 (the experiment log's first entries)."""
 
     skip: str = option(
         "attention+mlp",

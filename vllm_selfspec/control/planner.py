@@ -14,8 +14,8 @@ A margin. A draft token is taken only if its gain per second beats the rate by D
 plan that only breaks even by the estimates buys no tokens per second but makes every step
 longer, and in a server a longer step delays the first token of each prompt that arrives
 during it and of each prompt it prefills. Past capacity, with dozens of rows, lookup drafts
-are break-even at best: drafting them left the time per token level and made first tokens
-later (benchmarks/NOTES.md, entry 23). At light load a draft token beats the rate many times
+are break-even at best: drafting them leaves the time per token level and makes first tokens
+later. At light load a draft token beats the rate many times
 over, and the margin changes little.
 
 First tokens waiting. A prompt that arrives waits for the step in progress, then for the

@@ -4,7 +4,7 @@
 
 The per-row rule (`planner`) holds each step to what it expects, but a request is timed over
 its whole life. After each planned step the ledger credits every row what plain decoding would
-have spent on the tokens it got, (1 + accepted) plain steps less the slack, and charges it the
+have spent on the tokens it got, (1 + accepted) plain steps over 1 - slack, and charges it the
 planned step. A row ahead of that pace may then let the step grow for its neighbours' drafts
 in a step where it has none of its own (an edit that departs from the text it follows, after
 many steps of following it); a row behind it, whose drafts fared worse than estimated or whose

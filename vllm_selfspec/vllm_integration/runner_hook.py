@@ -17,7 +17,7 @@ a `SelfAdmgProposer` pass through unchanged.
    answer at large batch) is sampled by the plain sampler. vLLM 0.32 sends every step of a
    speculative engine through `RejectionSampler` (`_prepare_inputs` builds spec-decode metadata
    even with zero drafts), whose recovered-token sampling over the vocabulary makes such a step
-   5-8% dearer than plain decoding's at batch 32, temperature 1, on a CPU. With zero drafts it
+   dearer than plain decoding's, the more so at large batches at temperature > 0 on a CPU. With zero drafts it
    only samples one token per row from the target's distribution, which is what the plain
    sampler does (same logits, same per-request generators), so outputs are unchanged.
 
