@@ -172,9 +172,10 @@ class SelfAdmgOptions:
     )
     objective: str = option(
         "per-request",
-        "what the controller protects: 'per-request' (no request's rate over its life so far falls "
-        "below 98% of plain decoding's, by the controller's estimate, for another's drafts) or "
-        "'throughput' (the batch's tokens per second, whoever pays)",
+        "what the controller protects: 'per-request', the default, as each request is timed alone (no "
+        "request's rate over its life so far falls below 98% of plain decoding's, by the controller's "
+        "estimate, for another's drafts) or 'throughput' (the batch's tokens per second, whoever pays: "
+        "more where every request drafts well, as code edits do, but a request may run slower than plain)",
         choices=("per-request", "throughput"),
     )
     # Each request's prediction is held in its request and in the workers while it runs.
