@@ -15,8 +15,7 @@ plan that only breaks even by the estimates buys no tokens per second but makes 
 longer, and in a server a longer step delays the first token of each prompt that arrives
 during it and of each prompt it prefills. Past capacity, with dozens of rows, lookup drafts
 are break-even at best: drafting them leaves the time per token level and makes first tokens
-later. At light load a draft token beats the rate many times
-over, and the margin changes little.
+later. At light load a draft token beats the rate many times over, and the margin changes little.
 
 First tokens waiting. A prompt that arrives waits for the step in progress, then for the
 step that prefills it; a step made longer by drafts delays its first token by as much. In a

@@ -17,9 +17,9 @@ a `SelfAdmgProposer` pass through unchanged.
    answer at large batch) is sampled by the plain sampler. vLLM 0.32 sends every step of a
    speculative engine through `RejectionSampler` (`_prepare_inputs` builds spec-decode metadata
    even with zero drafts), whose recovered-token sampling over the vocabulary makes such a step
-   dearer than plain decoding's, the more so at large batches at temperature > 0 on a CPU. With zero drafts it
-   only samples one token per row from the target's distribution, which is what the plain
-   sampler does (same logits, same per-request generators), so outputs are unchanged.
+   dearer than plain decoding's, the more so at large batches at temperature > 0 on a CPU. With
+   zero drafts it only samples one token per row from the target's distribution, which is what
+   the plain sampler does (same logits, same per-request generators), so outputs are unchanged.
 
 5. The worker's `sleep` empties the lookup history first: earlier outputs do not outlive the
    KV cache that vLLM discards.
