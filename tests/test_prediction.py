@@ -123,7 +123,7 @@ def test_an_engine_drafts_from_predictions_and_no_output_changes(tiny_model_path
     from vllm import SamplingParams
 
     from vllm_selfspec import with_prediction
-    from vllm_selfspec.prediction import PREDICTION_KEY
+    from vllm_selfspec.prediction import PREDICTION_KEY, AdmittedPrediction
 
     from conftest import close_llm, make_llm, proposer_report, token_ids
 
@@ -134,9 +134,9 @@ def test_an_engine_drafts_from_predictions_and_no_output_changes(tiny_model_path
     plain_seeded = token_ids(plain_tiny.generate(prompts, seeded, use_tqdm=False))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
 
-    def _with(params, ids):  # the token ids as the server's front end sends them
+    def _with(params, ids):  # the token ids as the server's front end admits them
         copy = params.clone()
-        copy.extra_args = {PREDICTION_KEY: list(ids)}
+        copy.extra_args = {PREDICTION_KEY: AdmittedPrediction(ids=tuple(ids))}
         return copy
 
     spec = {"method": "self-admg", "num_speculative_tokens": 4, "adaptive": False}
@@ -170,8 +170,10 @@ def fake_serving(self_admg=True, max_prediction_tokens=8):
     config = SimpleNamespace(
         speculative_config=spec,
         additional_config={ADDITIONAL_CONFIG_KEY: {"max_prediction_tokens": max_prediction_tokens}},
+        model_config=SimpleNamespace(get_vocab_size=lambda: 1000),
     )
-    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [ord(c) for c in text])
+    # Bytes, as a byte-level tokenizer reads them: a lone surrogate cannot be encoded.
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: list(text.encode("utf-8")))
     return SimpleNamespace(
         engine_client=SimpleNamespace(vllm_config=config),
         renderer=SimpleNamespace(tokenizer=tokenizer),
@@ -179,48 +181,58 @@ def fake_serving(self_admg=True, max_prediction_tokens=8):
 
 
 def test_the_front_end_tokenizes_a_prediction_into_the_requests_xargs_or_names_what_is_wrong():
+    import asyncio
     from types import SimpleNamespace
 
-    from vllm_selfspec.prediction import PREDICTION_KEY
+    from vllm_selfspec.prediction import PREDICTION_KEY, AdmittedPrediction
     from vllm_selfspec.vllm_integration.predicted_outputs import _take_prediction
 
     def request(prediction, n=1, xargs=None):
         return SimpleNamespace(model_extra={"prediction": prediction}, n=n, vllm_xargs=xargs)
 
+    def take(request, serving=None):
+        return asyncio.run(_take_prediction(serving or fake_serving(), request))
+
     ok = request({"type": "content", "content": "abc"}, xargs={"other": 1})
-    assert _take_prediction(fake_serving(), ok) is None
-    assert ok.vllm_xargs == {"other": 1, PREDICTION_KEY: [97, 98, 99]}
-    assert _take_prediction(fake_serving(), request({"type": "content", "content": "x" * 9}))[0] == "prediction"
-    assert _take_prediction(fake_serving(), request({"type": "content", "content": "x"}, n=2))[0] == "n"
-    assert _take_prediction(fake_serving(), request("abc"))[0] == "prediction"
+    assert take(ok) is None
+    assert ok.vllm_xargs == {"other": 1, PREDICTION_KEY: AdmittedPrediction(ids=(97, 98, 99))}
+    assert repr(ok.vllm_xargs[PREDICTION_KEY]) == "<prediction of 3 tokens>"  # what a request log shows
+    assert take(request({"type": "content", "content": "x" * 9}))[0] == "prediction"  # 9 tokens
+    too_long = take(request({"type": "content", "content": "x" * (32 * 8 + 1)}))  # before tokenizing
+    assert too_long[0] == "prediction" and "characters" in too_long[1]
+    surrogate = take(request({"type": "content", "content": "\ud800"}))  # the tokenizer fails
+    assert surrogate[0] == "prediction" and "could not be tokenized" in surrogate[1]
+    assert take(request({"type": "content", "content": "x"}, n=2))[0] == "n"
+    assert take(request("abc"))[0] == "prediction"
     several = request({"type": "content", "content": "x"})
     several.prompt = ["first prompt", "second prompt"]  # one prediction would serve both
-    assert _take_prediction(fake_serving(), several)[0] == "prompt"
+    assert take(several)[0] == "prompt"
     several.prompt = [1, 2, 3]  # one prompt, as token ids
-    assert _take_prediction(fake_serving(), several) is None
-    forged = request(None, xargs={PREDICTION_KEY: [1, 2]})
-    assert _take_prediction(fake_serving(), forged)[0] == "vllm_xargs"
+    assert take(several) is None
+    for forged in ([1, 2], "text", None):
+        assert take(request(None, xargs={PREDICTION_KEY: forged}))[0] == "vllm_xargs"
     empty = request({"type": "content", "content": ""})
-    assert _take_prediction(fake_serving(), empty) is None and empty.vllm_xargs == {PREDICTION_KEY: []}
+    assert take(empty) is None and empty.vllm_xargs == {PREDICTION_KEY: AdmittedPrediction(ids=())}
     no_tokenizer = fake_serving()
     no_tokenizer.renderer.tokenizer = None  # `vllm serve --skip-tokenizer-init`: a 400, not a 500
-    error = _take_prediction(no_tokenizer, request({"type": "content", "content": "abc"}))
+    error = take(request({"type": "content", "content": "abc"}), no_tokenizer)
     assert error[0] == "prediction" and "--skip-tokenizer-init" in error[1]
-    elsewhere = request({"type": "content", "content": "abc"})  # another method: ignored
-    assert _take_prediction(fake_serving(self_admg=False), elsewhere) is None and elsewhere.vllm_xargs is None
+    elsewhere = request({"type": "content", "content": "abc"}, xargs={PREDICTION_KEY: [1]})
+    assert take(elsewhere, fake_serving(self_admg=False)) is None  # another method: as plain vLLM
+    assert elsewhere.vllm_xargs == {PREDICTION_KEY: [1]}
 
 
 def test_only_a_streams_final_usage_chunk_gets_the_prediction_counts():
     import json
 
-    from vllm_selfspec.vllm_integration.predicted_outputs import _with_details
+    from vllm_selfspec.prediction import PredictionUsage
+    from vllm_selfspec.vllm_integration.predicted_outputs import _final_usage, _with_details
 
-    delta = 'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n'
-    assert _with_details(delta, [[1, 2]], [1, 2, 3]) == delta
-    assert _with_details("data: [DONE]\n\n", [[1, 2]], [1, 2, 3]) == "data: [DONE]\n\n"
+    assert _final_usage('data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n') is None
+    assert _final_usage("data: [DONE]\n\n") is None
     usage = {"completion_tokens": 2, "completion_tokens_details": {"reasoning_tokens": 1}}
-    final = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-    rewritten = json.loads(_with_details(final, [[1, 2]], [1, 2, 3])[len("data: ") :])
+    final = _final_usage(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n")
+    rewritten = json.loads(_with_details(final, PredictionUsage(2, 1))[len("data: ") :])
     details = rewritten["usage"]["completion_tokens_details"]
     assert details == {"reasoning_tokens": 1, "accepted_prediction_tokens": 2, "rejected_prediction_tokens": 1}
 
@@ -241,17 +253,17 @@ def test_following_a_long_output_through_a_long_prediction_stays_cheap():
     assert time.perf_counter() - start < 1.0  # a binary search per lost token, not a scan
 
 
-def test_the_input_processor_keeps_only_ids_of_the_vocabulary_within_the_cap():
-    """Every request passes here, whatever endpoint it came through (/v1/responses passes
-    `vllm_xargs` on as it is): ids out of the vocabulary, past 64 bits or past the cap are a 400,
-    never a draft; an offline prediction's text becomes ids."""
+def test_the_input_processor_admits_only_the_front_ends_predictions():
+    """Every request passes here, whatever endpoint it came through: extra args that a client
+    wrote under the reserved key are a 400 naming it, never a draft; an offline prediction's
+    text passes the front end's check; a server without self-admg serves extra args as vLLM does."""
     from types import SimpleNamespace
 
     from vllm.exceptions import VLLMValidationError
 
     from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH
-    from vllm_selfspec.prediction import PREDICTION_KEY, PREDICTION_TEXT_KEY
-    from vllm_selfspec.vllm_integration.predicted_outputs import _tokenized
+    from vllm_selfspec.prediction import PREDICTION_KEY, AdmittedPrediction
+    from vllm_selfspec.vllm_integration.predicted_outputs import _with_prediction_ids
 
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(method="custom_class", model=PROPOSER_PATH),
@@ -260,10 +272,57 @@ def test_the_input_processor_keeps_only_ids_of_the_vocabulary_within_the_cap():
     )
     tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [ord(c) - 90 for c in text])
     processor = SimpleNamespace(vllm_config=config, get_tokenizer=lambda: tokenizer)
-    assert _tokenized(processor, {"other": 1, PREDICTION_KEY: [1, 2]}) == {"other": 1, PREDICTION_KEY: [1, 2]}
-    assert _tokenized(processor, {PREDICTION_TEXT_KEY: "abc"}) == {PREDICTION_KEY: [7, 8, 9]}
-    for bad in ([1, 100], [-1], [2**64 - 1], [1.0], [1] * 5, "12"):
+    admitted = {"other": 1, PREDICTION_KEY: AdmittedPrediction(ids=(1, 2))}
+    assert _with_prediction_ids(processor, admitted) == {"other": 1, PREDICTION_KEY: [1, 2]}
+    assert _with_prediction_ids(processor, {PREDICTION_KEY: AdmittedPrediction(text="abc")}) == {
+        PREDICTION_KEY: [7, 8, 9]
+    }
+    assert _with_prediction_ids(processor, {"other": 1, PREDICTION_KEY: AdmittedPrediction(ids=())}) == {"other": 1}
+    for forged in ([1, 2], "12", None, {"ids": [1]}):
+        with pytest.raises(VLLMValidationError, match="reserved"):
+            _with_prediction_ids(processor, {PREDICTION_KEY: forged})
+    for text in ("abcde", "\x01", "x" * (32 * 4 + 1)):  # past the cap, the vocabulary, the characters
         with pytest.raises(VLLMValidationError):
-            _tokenized(processor, {PREDICTION_KEY: bad})
+            _with_prediction_ids(processor, {PREDICTION_KEY: AdmittedPrediction(text=text)})
     plain = SimpleNamespace(vllm_config=SimpleNamespace(**{**vars(config), "speculative_config": None}))
-    assert _tokenized(plain, {"other": 1, PREDICTION_KEY: [1]}) == {"other": 1}  # ignored elsewhere
+    assert _with_prediction_ids(plain, {"other": 1, PREDICTION_KEY: AdmittedPrediction(ids=(1,))}) == {"other": 1}
+    assert _with_prediction_ids(plain, {PREDICTION_KEY: [1]}) == {PREDICTION_KEY: [1]}  # as vLLM serves it
+
+
+def test_a_prediction_whose_grams_all_match_the_output_costs_no_more_than_a_normal_one():
+    """The hostile shape: three equal tokens and another, repeated, beside an output of that
+    token repeated, so that the output's last three tokens occur at every fourth place of the
+    prediction and the cursor loses and finds it at every token. Each rejoin is a few binary
+    searches, whatever the number of places: a scan of them took milliseconds a token."""
+    import time
+
+    def per_token(prediction, output) -> float:
+        cursor = PredictionCursor(prediction)
+        start = time.perf_counter()
+        for end in range(1, len(output) + 1):
+            cursor.follow(output[:end])
+        return (time.perf_counter() - start) / len(output)
+
+    hostile = per_token(([7, 7, 7, 9] * 2048)[:8192], __import__("numpy").full(2000, 7))
+    assert hostile < 200e-6  # seconds a token: a scan of 2,048 places costs ~10 ms here
+
+
+def scanned_rejoin(prediction: list[int], tail: list[int], lost_at: int) -> int | None:
+    """The rejoin rule by a scan of every place: just after the first copy of `tail` ending at
+    or after `lost_at`, else after the last one before it."""
+    ends = [e for e in range(len(tail), len(prediction) + 1) if prediction[e - len(tail) : e] == tail]
+    ahead = [e for e in ends if e >= lost_at]
+    return ahead[0] if ahead else (ends[-1] if ends else None)
+
+
+def test_the_indexed_rejoin_lands_where_a_scan_of_every_place_would():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        vocabulary = int(rng.integers(2, 6))  # few distinct tokens: grams recur everywhere
+        prediction = rng.integers(0, vocabulary, int(rng.integers(0, 40))).tolist()
+        cursor = PredictionCursor(prediction)
+        cursor.lost_at = int(rng.integers(0, len(prediction) + 2))
+        tail = rng.integers(0, vocabulary + 1, REJOIN_TOKENS).tolist()  # sometimes a token it lacks
+        assert cursor._rejoin(np.asarray(tail)) == scanned_rejoin(prediction, tail, cursor.lost_at)

@@ -58,6 +58,8 @@ def servers(tiny_model_path, mixed_options, tmp_path_factory):
         *common,
         "--speculative-config",
         json.dumps(mixed_options),
+        "--enable-scale-out",  # the token endpoint, a way in for a client's extra args
+        "--enable-log-requests",  # a request log that must not hold a prediction's text
         log_path=logs / "self-admg.log",
         env={"VLLM_LOGGING_LEVEL": "DEBUG"},
     )
@@ -478,6 +480,61 @@ def test_a_bad_prediction_gets_a_400_naming_the_field_and_the_others_decode_on(s
         predicted(plain, tiny_prompts[3], None)
     )
     assert admg.healthy()
+
+
+# Predictions a client might send to reach past the front end's check or tie up the server.
+SECRET = "secret-prediction-text"
+HOSTILE_PREDICTIONS = (
+    ({"type": "content", "content": 7}, "prediction"),  # not text
+    ({"type": "content", "content": "x" * 300_000}, "prediction"),  # bounded before tokenizing
+    ({"type": "content", "content": "\ud800" + SECRET}, "prediction"),  # a lone surrogate
+)
+FORGED = {"self_admg_prediction": [1, 2, 3]}  # token ids of its own, or text, under the reserved key
+
+
+def test_every_entry_point_refuses_what_only_the_front_end_may_send_with_a_400(servers, tiny_model_path):
+    """Each way a request can carry a prediction or extra args to the engine, streamed or not:
+    a hostile prediction or the reserved key is a 400 naming the field, before anything is
+    scheduled; the server answers on, and its request log never holds a prediction's text."""
+    import httpx
+
+    _, admg = servers
+    messages = [{"role": "user", "content": "Hello"}]
+    routes = {
+        "/v1/chat/completions": {"model": admg.model, "messages": messages, "max_tokens": 4},
+        "/v1/completions": {"model": admg.model, "prompt": "Hello", "max_tokens": 4},
+    }
+    sent = []
+    for path, body in routes.items():
+        for stream in (False, True):
+            for prediction, field in HOSTILE_PREDICTIONS:
+                sent.append((path, {**body, "stream": stream, "prediction": prediction}, field))
+            for forged in (FORGED, {"self_admg_prediction": SECRET}):
+                sent.append((path, {**body, "stream": stream, "vllm_xargs": forged}, "vllm_xargs"))
+    others = {  # entry points that take no prediction of their own
+        "/v1/responses": {"model": admg.model, "input": "Hello", "max_output_tokens": 4},
+        "/v1/chat/completions/batch": {"model": admg.model, "messages": [messages, messages], "max_tokens": 4},
+    }
+    for path, body in others.items():
+        sent.append((path, {**body, "vllm_xargs": FORGED}, "vllm_xargs"))
+        sent.append((path, {**body, "prediction": {"type": "content", "content": SECRET}}, "prediction"))
+    tokens = {"model": admg.model, "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "extra_args": FORGED}}
+    sent.append(("/inference/v1/generate", tokens, "sampling_params.extra_args"))
+    for path, body, field in sent:
+        response = httpx.post(admg.url(path), content=json.dumps(body), headers=JSON_HEADERS, timeout=60)
+        assert response.status_code == 400, (path, body.get("stream"), field, response.text[:300])
+        assert response.json()["error"]["param"] == field, (path, response.text[:300])
+    # The token endpoint serves a request without the key, so the refusal above was for it.
+    tokens["sampling_params"]["extra_args"] = {"other": 1}
+    assert httpx.post(admg.url("/inference/v1/generate"), json=tokens, timeout=60).status_code == 200
+    good = {**routes["/v1/completions"], "prediction": {"type": "content", "content": SECRET}}
+    assert httpx.post(admg.url("/v1/completions"), json=good, timeout=60).status_code == 200
+    assert admg.healthy()
+    log = admg.log()
+    assert "<prediction of" in log and SECRET not in log  # --enable-log-requests: lengths only
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def test_a_seed_gives_plain_decodings_sample_with_or_without_a_prediction(servers):

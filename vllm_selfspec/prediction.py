@@ -17,16 +17,15 @@ the output alone, so the counts are the same whatever the batch and whatever was
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-# Where a request's prediction travels in its `SamplingParams.extra_args`: its token ids, and,
-# for an offline request (`with_prediction`), its text until vLLM's input processor tokenizes it.
+# Where a request's prediction travels in its `SamplingParams.extra_args`: an
+# `AdmittedPrediction` from the front end to vLLM's input processor, then its token ids.
 PREDICTION_KEY = "self_admg_prediction"
-PREDICTION_TEXT_KEY = "self_admg_prediction_text"
 
 
 class PredictionError(ValueError):
@@ -61,8 +60,46 @@ def with_prediction(params, content):
     if params.n > 1:
         raise PredictionError("a prediction is served with n = 1 only")
     copy = params.clone()
-    copy.extra_args = {**(params.extra_args or {}), PREDICTION_TEXT_KEY: text}
+    copy.extra_args = {**(params.extra_args or {}), PREDICTION_KEY: AdmittedPrediction(text=text)}
     return copy
+
+
+@dataclass(frozen=True, repr=False)
+class AdmittedPrediction:
+    """A prediction that the front end took from a request: its token ids, checked, or (offline,
+    `with_prediction`) its text, which vLLM's input processor passes through `admitted`. No JSON
+    decodes to one, so ids or text that a client put in its extra args are never taken for a
+    prediction; its repr gives its length alone, so that no request log holds a client's text."""
+
+    ids: tuple[int, ...] | None = None
+    text: str | None = None
+
+    def __repr__(self) -> str:
+        size = f"{len(self.ids)} tokens" if self.ids is not None else f"{len(self.text or '')} characters"
+        return f"<prediction of {size}>"
+
+
+# Tokens of real text average a few characters; no tokenizer makes them longer than this.
+MAX_CHARACTERS_PER_TOKEN = 32
+
+
+def admitted(text: str, *, encode, limit: int, vocab_size: int) -> AdmittedPrediction:
+    """The one check every prediction passes before the engine sees it: its length in characters
+    before any tokenizer time is spent, then its ids (`encode(text)`) within `limit` and the
+    model's vocabulary. A PredictionError names what is wrong, a tokenizer's failure included."""
+    if not isinstance(text, str):
+        raise PredictionError("prediction.content must be text")
+    if len(text) > MAX_CHARACTERS_PER_TOKEN * limit:
+        raise PredictionError(f"prediction.content is {len(text)} characters; this server takes at most {limit} tokens")
+    try:
+        ids = list(encode(text)) if text else []
+    except Exception as err:  # a lone surrogate, say: the client's text, not the server, is wrong
+        raise PredictionError(f"prediction.content could not be tokenized ({type(err).__name__})") from None
+    if len(ids) > limit:
+        raise PredictionError(f"prediction.content is {len(ids)} tokens; this server takes at most {limit}")
+    if not in_vocabulary(ids, vocab_size):
+        raise PredictionError("prediction.content tokenizes to ids outside the model's vocabulary")
+    return AdmittedPrediction(ids=tuple(ids))
 
 
 # Output tokens that must equal the prediction's before the cursor rejoins it: one or two
@@ -71,9 +108,10 @@ REJOIN_TOKENS = 3
 
 
 class PredictionCursor:
-    """Where an output stands in its prediction. Work per output token is constant, or a
-    binary search where the cursor looks for the way back (an index of the prediction's
-    REJOIN_TOKENS-grams, built once); memory is a few arrays of the prediction's length."""
+    """Where an output stands in its prediction. Work per output token is bounded whatever the
+    prediction holds: constant where the output follows it, and a few binary searches of an
+    index built once (O(log P)) where the cursor looks for the way back, however often the
+    output's last tokens recur in the prediction. Memory is a few arrays of its length."""
 
     def __init__(self, tokens: Sequence[int]):
         self.tokens = np.asarray(tokens, dtype=np.int64)
@@ -85,10 +123,12 @@ class PredictionCursor:
         # lookup's match length says (`control.acceptance.token_bins`).
         self.run = 0
         self.credited = np.zeros(len(self.tokens), dtype=bool)  # prediction tokens the output used
-        ends = np.arange(REJOIN_TOKENS, len(self.tokens) + 1)
-        keys = _gram_keys(self.tokens)
-        order = np.argsort(keys, kind="stable")  # by key, then by position
-        self._keys, self._ends = keys[order], ends[order]
+        # The index: every REJOIN_TOKENS-gram as one exact key (its tokens renumbered densely, so
+        # that the key fits 64 bits whatever the vocabulary), sorted by key, then by position.
+        self._distinct = np.unique(self.tokens)
+        keys = _gram_keys(np.searchsorted(self._distinct, self.tokens), base=len(self._distinct))
+        order = np.argsort(keys, kind="stable")
+        self._keys, self._ends = keys[order], np.arange(REJOIN_TOKENS, len(self.tokens) + 1)[order]
 
     @property
     def used(self) -> int:
@@ -96,20 +136,23 @@ class PredictionCursor:
 
     def follow(self, output: Sequence[int] | np.ndarray) -> None:
         """Move along the output's tokens not followed yet (`output`: the whole output so far)."""
-        output = np.asarray(output, dtype=np.int64)
-        for i in range(self.seen, len(output)):
+        # Only the new tokens and the few before them that a rejoin compares are read, so that
+        # a step costs the same early in a long output as late.
+        start = max(0, self.seen - REJOIN_TOKENS + 1)
+        new = np.asarray(output[start:], dtype=np.int64)
+        for i in range(self.seen - start, len(new)):
             at = self.position
-            if at is not None and at < len(self.tokens) and self.tokens[at] == output[i]:
+            if at is not None and at < len(self.tokens) and self.tokens[at] == new[i]:
                 self.credited[at] = True
                 self.position, self.run = at + 1, self.run + 1
                 continue
             if at is not None:
                 self.lost_at, self.position = at, None
-            self.position = self._rejoin(output[max(0, i + 1 - REJOIN_TOKENS) : i + 1])
+            self.position = self._rejoin(new[max(0, i + 1 - REJOIN_TOKENS) : i + 1])
             self.run = 0 if self.position is None else REJOIN_TOKENS
             if self.position is not None:  # the tokens that found the way back were used too
                 self.credited[self.position - REJOIN_TOKENS : self.position] = True
-        self.seen = len(output)
+        self.seen = start + len(new)
 
     def draft(self, max_tokens: int) -> np.ndarray:
         """The prediction's next tokens where the cursor stands (none where it is lost)."""
@@ -119,29 +162,34 @@ class PredictionCursor:
 
     def _rejoin(self, tail: np.ndarray) -> int | None:
         """Just after a place where the prediction's tokens equal `tail` (the output's last
-        REJOIN_TOKENS): the first at or after `lost_at`, else the last before it; None if none."""
+        REJOIN_TOKENS): the first at or after `lost_at`, else the last before it; None if none.
+        Four binary searches, however many places match."""
         if len(tail) < REJOIN_TOKENS or not len(self._keys):
             return None
-        key = _gram_keys(tail)[0]
+        dense = np.minimum(np.searchsorted(self._distinct, tail), len(self._distinct) - 1)
+        if (self._distinct[dense] != tail).any():
+            return None  # a token the prediction never holds
+        base = len(self._distinct)
+        key = 0
+        for token in dense.tolist():  # as _gram_keys makes it, without arrays for one gram
+            key = key * base + token
         lo, hi = np.searchsorted(self._keys, key, "left"), np.searchsorted(self._keys, key, "right")
-        ends = self._ends[lo:hi]  # ascending; a key shared by chance is checked token by token
-        ends = [int(e) for e in ends if np.array_equal(self.tokens[e - REJOIN_TOKENS : e], tail)]
-        if not ends:
+        if lo == hi:
             return None
-        ahead = ends[bisect.bisect_left(ends, self.lost_at) :]
-        return ahead[0] if ahead else ends[-1]
+        ahead = lo + np.searchsorted(self._ends[lo:hi], self.lost_at, "left")  # places ascend
+        return int(self._ends[ahead] if ahead < hi else self._ends[hi - 1])
 
 
-def _gram_keys(tokens: np.ndarray) -> np.ndarray:
-    """One int64 key per REJOIN_TOKENS-gram of `tokens` (wrapping on overflow: equal grams get
-    equal keys, and a shared key is checked token by token)."""
-    if len(tokens) < REJOIN_TOKENS:
+def _gram_keys(dense: np.ndarray, base: int) -> np.ndarray:
+    """One int64 key per REJOIN_TOKENS-gram of `dense` (tokens renumbered 0..base-1): equal keys
+    are equal grams (a prediction is capped far below the 2**21 distinct tokens that would
+    overflow)."""
+    if len(dense) < REJOIN_TOKENS:
         return np.zeros(0, dtype=np.int64)
-    windows = np.lib.stride_tricks.sliding_window_view(tokens, REJOIN_TOKENS)
+    windows = np.lib.stride_tricks.sliding_window_view(dense.astype(np.int64), REJOIN_TOKENS)
     keys = np.zeros(len(windows), dtype=np.int64)
-    with np.errstate(over="ignore"):
-        for j in range(REJOIN_TOKENS):
-            keys = keys * np.int64(1_000_003) + windows[:, j]
+    for j in range(REJOIN_TOKENS):
+        keys = keys * np.int64(base) + windows[:, j]
     return keys
 
 
