@@ -5,8 +5,11 @@ session (or module) and shut down when their last user is done."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from benchmarks.engine import build_llm, close_llm  # noqa: E402,F401
 
+from fault_injection import install_test_plugin  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
+
+# The suite's own vLLM plugin (fault injection, the unpatched sampler), in every engine process
+# this session starts; it acts only where a test sets its environment variables.
+_TEST_PLUGIN_DIR = Path(tempfile.mkdtemp(prefix="vllm-selfspec-test-plugin-"))
+atexit.register(shutil.rmtree, _TEST_PLUGIN_DIR, ignore_errors=True)
+install_test_plugin(_TEST_PLUGIN_DIR)
 
 ENGINE_DEFAULTS = dict(
     dtype="float32",

@@ -119,6 +119,21 @@ def test_requests_without_a_salt_share_no_history_unless_the_operator_opts_in():
     assert shared.pool(None).draft(np.array([1, 2]), 2, 24).tokens.tolist() == [3]
 
 
+def test_an_empty_salt_is_no_salt_as_in_vllm():
+    """vLLM salts no block hash with cache_salt="": such requests are unsalted, not one tenant
+    that every empty salt shares."""
+    from vllm_selfspec.first_tokens import salt_digest
+    from vllm_selfspec.lookup import TenantHistories
+
+    assert salt_digest("") is None and salt_digest(None) is None and salt_digest("a") != salt_digest("b")
+    closed = TenantHistories(max_tokens=100)
+    closed.add("", np.array([1, 2, 3]))
+    assert closed.pool("") is None and closed.tenants == 0
+    shared = TenantHistories(max_tokens=100, share_unsalted=True)
+    shared.add("", np.array([1, 2, 3]))
+    assert shared.pool(None) is shared.pool("") is not None
+
+
 def test_a_flood_of_fresh_salts_stays_bounded_and_spares_a_returning_tenant():
     """200,000 one-shot salts: the pools' number and memory stay within the bound the docs give,
     and a tenant that keeps coming back still drafts from its history."""

@@ -11,10 +11,10 @@ from vllm import SamplingParams
 
 import benchmarks
 from benchmarks import ray_data_batch
-from vllm_selfspec.fail_safe import INJECT_ENV
 from vllm_selfspec.worker_extension import proposer_report
 
 from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
+from fault_injection import INJECT_ENV
 
 # Ray's workers import modules by name only from the driver's working directory; ship the lab's
 # code by value, so that the test passes from any directory.
@@ -122,6 +122,30 @@ def test_tensor_parallel_ranks_take_identical_decisions(
         assert [r["drafting_disabled"] for r in reports] == [True, True]
     finally:
         close_llm(llm)
+
+
+def test_a_fault_on_one_rank_inside_the_draft_forwards_stops_every_rank_at_one_checkpoint(
+    tiny_model_path, tiny_prompts, mixed_options, plain_greedy, monkeypatch
+):
+    """After the ranks agreed to draft, rank 1 alone faults inside a probe's forward and then
+    inside a draft step's forward (after its forward context is set, before the target's
+    modules run). Rank 0 must not wait in a collective rank 1 never reaches: both stop at the
+    same checkpoint, serve those steps without drafts, count the same skipped steps, and go on
+    drafting (`mixed_options` self-drafts in every step, so the forwards are certain to run)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv(INJECT_ENV, "probe@2@rank1,draft@3@rank1")
+    llm = make_llm(tiny_model_path, tensor_parallel_size=2, speculative_config=mixed_options)
+    try:
+        outputs = within(120, lambda: llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False))
+        assert token_ids(outputs) == plain_greedy
+        reports = llm.collective_rpc(proposer_report)
+    finally:
+        close_llm(llm)
+    assert [r["faults"] for r in reports] == [0, 2], [r["fault_kinds"] for r in reports]
+    assert [r["steps_skipped_for_faults"] for r in reports] == [2, 2]
+    for counter in ("draft_steps", "draft_tokens"):
+        assert reports[0][counter] == reports[1][counter] > 0, counter
+    assert not any(r["drafting_disabled"] for r in reports)
 
 
 def test_ray_executor_on_the_cpu_build_is_refused_early(tiny_model_path):

@@ -12,9 +12,8 @@ import pytest
 from scipy.stats import chi2, chi2_contingency
 from vllm import SamplingParams
 
-from vllm_selfspec.vllm_integration.cpu_fixes import UNPATCHED_SAMPLER_ENV
-
 from conftest import close_llm, make_llm, spec_counters
+from fault_injection import UNPATCHED_SAMPLER_ENV
 
 NUM_SAMPLES = 3000
 NULL_SIMULATIONS = 400  # draws from the model's own probabilities, to calibrate the test

@@ -58,6 +58,8 @@ def test_an_unsalted_request_drafts_from_no_other_requests_answer_by_default(llm
     tenants_before = proposer_report(llm)["history_tenants"]
     answer = generate(llm, prompt)
     assert history_tokens_for(llm, prompt + answer[:8], salt=None) == 0
+    generate(llm, prompt, salt="")  # an empty salt is no salt, as vLLM hashes it: no pool either
+    assert history_tokens_for(llm, prompt + answer[:8], salt="") == 0
     pool_lengths(llm, [])  # (hands the finished requests back)
     assert proposer_report(llm)["history_tenants"] == tenants_before  # no pool for the unsalted
     generate(llm, prompt, salt="erin")

@@ -28,20 +28,21 @@ everything before is rank-local (learning, lookup, planning), and `agree` then t
 all-reduce of (this rank failed, this rank wants drafting off, other votes). If any rank
 failed, every rank skips drafting that step; if any rank wants drafting off, every rank
 switches it off in that same step, and every rank then counts the same cool-down. After the
-agreement every rank runs the same forwards on the same broadcast inputs.
+agreement every rank runs the same forwards on the same broadcast inputs, and each rank's
+own part of them (a forward's metadata and inputs) ends at a checkpoint, one more small
+all-reduce under tensor parallelism: a fault there on any rank stops every rank at that same
+checkpoint (`RanksStopped` on the others), before any rank enters a collective the others
+would never reach.
 
-Tests inject faults through `VLLM_SELFSPEC_INJECT_FAULT` (one WARNING at start-up says it is
-set): comma-separated `STAGE@N` (raise at the N-th call of that stage), `STAGE@every`, or
-`STAGE@tokenT` (raise where the row's tokens include token id T: a fault that one request
-causes), for the stages in `STAGES`; `STAGE@N@rankR` raises on tensor-parallel rank R only
-(rank-local stages only, `LOCAL_STAGES`).
+Every part of a step that may fault has a `fault_point`: the tests' fault injection
+(tests/fault_injection.py, a vLLM plugin only the test suite installs) raises there on purpose;
+in production no hook is set and a point costs one global read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,14 +58,11 @@ COOL_DOWN_STEPS = 2000
 MAX_COOL_DOWN_STEPS = 128_000
 MAX_KINDS_REMEMBERED = 64  # distinct fault messages kept (for the first-of-kind traceback)
 MAX_PROMPTS_QUARANTINED = 1024
-INJECT_ENV = "VLLM_SELFSPEC_INJECT_FAULT"
-# The proposer's stages, then the hooks the plugin adds to vLLM's loop (runner and scheduler).
-STAGES = ("lookup", "plan", "probe", "draft", "update_states", "request_removed", "sample", "tenants", "schedule")
-LOCAL_STAGES = ("lookup", "plan")  # before the ranks' agreement
 
 
-class InjectedFault(RuntimeError):
-    """Raised at a fault point on a test's request."""
+class RanksStopped(RuntimeError):
+    """Another tensor-parallel rank failed its own part of a draft the ranks had agreed on, and
+    every rank stopped at the same checkpoint (`draft_forward.meet_after`)."""
 
 
 def _alone(flags: list[int]) -> list[int]:
@@ -128,11 +126,20 @@ class FailSafe:
         return True, agreed
 
     def call(self, step, fallback):
-        """`step()`, or `fallback()` if it raises or drafting is switched off."""
+        """`step()`, the part of a step every rank runs alike once they agreed to draft, or
+        `fallback()` if it raises or drafting is switched off. A fault on any rank stops every
+        rank at the same checkpoint: the rank that faulted counts the fault, every rank the
+        skipped step, as the agreement does."""
         if self.disabled:
             return fallback()
-        result = self.attempt(step)
-        if result is None:
+        try:
+            result = step()
+        except RanksStopped:
+            self.steps_skipped += 1
+            return fallback()
+        except Exception as err:  # any fault in an optimisation: serve the step without it
+            self.record(err)
+            self.steps_skipped += 1
             return fallback()
         self.consecutive = 0
         return result
@@ -238,68 +245,12 @@ class RequestQuarantine:
         self._digests.pop(req_id, None)
 
 
-@dataclass(frozen=True)
-class _Injection:
-    call: int | None  # the call number, or None for every call (or by token)
-    rank: int | None
-    token: int | None  # raise where the row's tokens include this id
-
-
-def _parse(spec: str) -> dict[str, _Injection]:
-    points = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        stage, _, rest = item.partition("@")
-        when, _, rank = rest.partition("@")
-        if stage not in STAGES:
-            raise ValueError(f"{INJECT_ENV}: unknown stage {stage!r}; stages are {list(STAGES)}")
-        if rank and (not rank.startswith("rank") or stage not in LOCAL_STAGES):
-            raise ValueError(
-                f"{INJECT_ENV}: {item!r}: a fault on one rank is written STAGE@N@rankR, for the "
-                f"stages before the ranks' agreement {list(LOCAL_STAGES)}"
-            )
-        token = int(when[5:]) if when.startswith("token") else None
-        call = None if when in ("", "every") or token is not None else int(when)
-        points[stage] = _Injection(call, int(rank[4:]) if rank else None, token)
-    return points
-
-
-_injected: dict[str, _Injection] | None = None  # read from the environment at the first call
-_calls: dict[str, int] = {}
-
-
-def warn_if_injecting() -> None:
-    """One WARNING where faults are injected (a test's setting that production must not carry)."""
-    if os.environ.get(INJECT_ENV):
-        logger.warning(
-            "%s=%r: self-admg raises faults on purpose (drafts lost, drafting may switch off); for tests only",
-            INJECT_ENV,
-            os.environ[INJECT_ENV],
-        )
+# What a fault point calls, if anything: set by the tests' fault injection only.
+fault_hook: Callable[[str, np.ndarray | None], None] | None = None
 
 
 def fault_point(stage: str, tokens: np.ndarray | None = None) -> None:
-    """Raise `InjectedFault` here if a test asked for one at this stage, call and rank, or, with
-    `tokens` (a row's), for a row holding the test's token."""
-    global _injected
-    if _injected is None:
-        _injected = _parse(os.environ.get(INJECT_ENV, ""))
-    injection = _injected.get(stage) if _injected else None
-    if injection is None:
-        return
-    if injection.token is not None:
-        if tokens is not None and injection.token in tokens and (injection.rank is None or injection.rank == _rank()):
-            raise InjectedFault(f"injected fault at {stage} (token {injection.token})")
-        return
-    if tokens is not None:
-        return  # a per-row point: only token faults strike there
-    _calls[stage] = _calls.get(stage, 0) + 1
-    if (injection.call is None or injection.call == _calls[stage]) and (
-        injection.rank is None or injection.rank == _rank()
-    ):
-        raise InjectedFault(f"injected fault at {stage} (call {_calls[stage]})")
-
-
-def _rank() -> int:
-    from vllm_selfspec.vllm_integration.draft_forward import tensor_parallel_rank
-
-    return tensor_parallel_rank()
+    """A place where a step may fault (`stage`; `tokens`: a row's, where the fault would be that
+    request's own): the tests' hook may raise here."""
+    if fault_hook is not None:
+        fault_hook(stage, tokens)

@@ -49,9 +49,12 @@ class SchedulerNote:
     tenants: tuple[tuple[str, bytes | None], ...] = ()
 
 
-def salt_digest(salt: str) -> bytes:
+def salt_digest(salt: str | None) -> bytes | None:
     """A fixed-size tenant key for a cache_salt of any length: made once per request in the
-    scheduler, so that a long salt costs the workers nothing more."""
+    scheduler, so that a long salt costs the workers nothing more. None for no salt, and for an
+    empty one, which vLLM treats as no salt too (it salts no block hash with it)."""
+    if salt is None or salt == "":
+        return None
     return hashlib.blake2b(str(salt).encode(), digest_size=16).digest()
 
 

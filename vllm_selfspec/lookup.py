@@ -269,11 +269,11 @@ class TenantHistories:
         """The pool's key for a tenant: the digest of its salt (bytes, as the scheduler's note
         carries it: `first_tokens.SchedulerNote`; a salt given as a string is digested here),
         None for the shared unsalted pool, or `_NO_POOL`."""
+        if tenant is not UNKNOWN_TENANT and not isinstance(tenant, bytes):
+            tenant = salt_digest(tenant)  # a salt given as a string ("" is no salt, as in vLLM)
         if tenant is UNKNOWN_TENANT or (tenant is None and not self.share_unsalted):
             return _NO_POOL
-        if tenant is None or isinstance(tenant, bytes):
-            return tenant
-        return salt_digest(tenant)
+        return tenant
 
     def pool(self, tenant) -> OutputHistory | None:
         key = self.key(tenant)

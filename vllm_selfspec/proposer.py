@@ -26,7 +26,7 @@ import torch
 
 from vllm_selfspec.control import DraftController, DraftPlan, RowOffer
 from vllm_selfspec.counters import PartClock, ProposerCounters
-from vllm_selfspec.fail_safe import FailSafe, fault_point, warn_if_injecting
+from vllm_selfspec.fail_safe import FailSafe, fault_point
 from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens, SchedulerNote
 from vllm_selfspec.learning import StepLessons
 from vllm_selfspec.lookup import warm_up as warm_up_lookup
@@ -38,6 +38,7 @@ from vllm_selfspec.vllm_integration import runner_hook
 from vllm_selfspec.vllm_integration.draft_forward import (
     DraftForward,
     max_over_ranks,
+    meet_after,
     rank0_ints,
     tensor_parallel_rank,
 )
@@ -78,7 +79,6 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         self._prefix_cache_resets = 0
         self.self_drafter: SelfDrafter | None = None
         self._look_up = True  # the ranks' agreed decision, for the next step
-        warn_if_injecting()
         engine = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0)
         MetricsPublisher.from_environment(rank=tensor_parallel_rank(), engine=engine).start(self, metrics_snapshot)
         if self.options.lookup:
@@ -187,30 +187,43 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         return self.controller.plan(offers, self_budget, self.first_tokens.draining, expected)
 
     def _draft(self, prepared: PreparedStep, common_attn_metadata, warm_up: bool) -> list[list[int]]:
-        """The part every rank runs alike: the shared plan, lookup drafts and self-drafts. Between
-        the agreement and the forwards nothing rank-local may raise (one rank's exception would
-        put the ranks' collectives out of step): the warm-up is the ranks' agreed vote, and
-        what is remembered to learn from later is guarded on its own."""
+        """The part every rank runs alike: the shared plan, lookup drafts and self-drafts. Each
+        rank's own part before a forward ends at a checkpoint (`meet_after`), so that a fault in
+        it on one rank stops every rank there; the warm-up is the ranks' agreed vote, and what
+        is remembered to learn from later is guarded on its own."""
         step, rows = prepared.step, prepared.step.rows
+        # Rank 0's plan on every rank: each rank planned from its own step timings.
+        plan = DraftPlan.from_ints(rank0_ints(prepared.plan_ints, self._device), len(prepared.offers))
         # Alike on every rank: the rank-local quarantine is left out here, since rank 0's plan,
         # which every rank follows, already left it out.
         budgets = [row.draft_budget(self.num_speculative_tokens) if row.may_draft else 0 for row in rows]
-        # Rank 0's plan on every rank: each rank planned from its own step timings.
-        plan = DraftPlan.from_ints(rank0_ints(prepared.plan_ints, self._device), len(prepared.offers))
-        forward = DraftForward(step.runner, self.vllm_config, common_attn_metadata)
-        if warm_up and any(budgets):
-            warm_row = next(row.index for row, budget in zip(rows, budgets) if budget)
-            self.counters.warmup_seconds += self.self_drafter.warm_up(step, forward, warm_row)
-        drafts: list[list[int]] = [[] for _ in range(step.num_rows)]
-        for row, offer, (source, draft), length in zip(rows, prepared.offers, prepared.found, plan.lookup_lengths):
-            if length:
-                drafts[row.index] = [int(t) for t in draft.tokens[:length]]
-                self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(row.req_id, offer, source, length))  # noqa: B023
         self_rows = [(row, budget) for row, budget, chosen in zip(rows, budgets, plan.self_rows) if chosen]
+        warm_row = next((row.index for row, budget in zip(rows, budgets) if budget), None) if warm_up else None
+        drafts: list[list[int]] = [[] for _ in range(step.num_rows)]
+        if warm_row is None and not (plan.self_length and self_rows):
+            self._take_lookup_drafts(prepared, plan, drafts)  # no forward follows: no checkpoint
+            self.lessons.step_ended(drafted=True)
+            return drafts
+
+        def own_part() -> DraftForward:
+            self._take_lookup_drafts(prepared, plan, drafts)
+            return DraftForward(step.runner, self.vllm_config, common_attn_metadata)
+
+        forward = meet_after(own_part)
+        if warm_row is not None:
+            self.counters.warmup_seconds += self.self_drafter.warm_up(step, forward, warm_row)
         if plan.self_length and self_rows:
             self._self_draft(step, forward, self_rows, plan.self_length, drafts)
         self.lessons.step_ended(drafted=True)
         return drafts
+
+    def _take_lookup_drafts(self, prepared: PreparedStep, plan: DraftPlan, drafts: list[list[int]]) -> None:
+        for row, offer, (source, draft), length in zip(
+            prepared.step.rows, prepared.offers, prepared.found, plan.lookup_lengths
+        ):
+            if length:
+                drafts[row.index] = [int(t) for t in draft.tokens[:length]]
+                self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(row.req_id, offer, source, length))  # noqa: B023
 
     def _self_draft(self, step: StepView, forward: DraftForward, rows: list, length: int, drafts: list) -> None:
         """Probe the rows not measured yet, then draft up to `length` tokens for all of them."""

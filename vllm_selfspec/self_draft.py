@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -29,7 +31,7 @@ from vllm_selfspec.admg import SkipMask, select_skip_mask
 from vllm_selfspec.fail_safe import fault_point
 from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.residual_stream import HeadIds, ResidualStream, draft_logits, similarity_sums
-from vllm_selfspec.vllm_integration.draft_forward import DraftForward, same_on_all_ranks
+from vllm_selfspec.vllm_integration.draft_forward import DraftForward, meet_after, same_on_all_ranks
 from vllm_selfspec.vllm_integration.runner_state import StepView
 
 # A child of vLLM's logger, so VLLM_LOGGING_LEVEL=DEBUG shows per-request skip counts.
@@ -64,6 +66,9 @@ class DraftRun:
     seconds: float = 0.0
 
 
+SUBLAYERS = ("attention", "mlp")  # a mask's fields
+
+
 class SelfDrafter:
     def __init__(self, target_model: torch.nn.Module, options: SelfAdmgOptions):
         self.options = options
@@ -78,7 +83,6 @@ class SelfDrafter:
 
     def probe(self, step: StepView, forward: DraftForward, rows: list[int]) -> ProbeResult:
         """Measure these rows' prompts and keep their masks."""
-        fault_point("probe")
         start = time.perf_counter()
         attn_mean, mlp_mean, query_lens = self._similarities(step, forward, rows)
         measurements = []
@@ -99,22 +103,23 @@ class SelfDrafter:
     def _similarities(self, step: StepView, forward: DraftForward, rows: list[int]):
         """Per row and layer, the mean cosine similarity over the prompt's last `stats_window`
         tokens across each attention and each MLP sublayer, and the tokens read."""
-        prompt_lens = step.prompt_lengths(rows)
-        window = self.options.stats_window
-        starts = np.maximum(prompt_lens - window, 0) if window else np.zeros_like(prompt_lens)
-        query_lens = prompt_lens - starts
-        ids = np.concatenate([step.prompt(r)[s:] for r, s in zip(rows, starts)])
-        positions = np.concatenate([np.arange(s, p) for s, p in zip(starts, prompt_lens)])
-        row_of_token = np.repeat(np.arange(len(rows)), query_lens)
-        device = forward.device
-        with forward.probe(rows, query_lens, prompt_lens):
-            attn_sum, mlp_sum = similarity_sums(
-                self.stream,
-                torch.from_numpy(ids).to(device),
-                torch.from_numpy(positions).to(device),
-                torch.from_numpy(row_of_token).to(device),
-                len(rows),
-            )
+
+        def own_part(context: ExitStack):  # this rank's, up to the forward's first collective
+            fault_point("probe")
+            prompt_lens = step.prompt_lengths(rows)
+            window = self.options.stats_window
+            starts = np.maximum(prompt_lens - window, 0) if window else np.zeros_like(prompt_lens)
+            query_lens = prompt_lens - starts
+            ids = np.concatenate([step.prompt(r)[s:] for r, s in zip(rows, starts)])
+            positions = np.concatenate([np.arange(s, p) for s, p in zip(starts, prompt_lens)])
+            row_of_token = np.repeat(np.arange(len(rows)), query_lens)
+            context.enter_context(forward.probe(rows, query_lens, prompt_lens))
+            inputs = (ids, positions, row_of_token)
+            return query_lens, [torch.from_numpy(a).to(forward.device) for a in inputs]
+
+        with ExitStack() as context:
+            query_lens, inputs = meet_after(lambda: own_part(context))
+            attn_sum, mlp_sum = similarity_sums(self.stream, *inputs, len(rows))
         means = torch.stack([attn_sum, mlp_sum]) / torch.from_numpy(query_lens)[:, None].to(attn_sum)
         attn_mean, mlp_mean = same_on_all_ranks(means).cpu().numpy()
         return attn_mean, mlp_mean, query_lens
@@ -135,40 +140,41 @@ class SelfDrafter:
     ) -> DraftRun:
         """Greedy draft tokens for `rows` (probed already) under their masks, up to `budgets`,
         appended to `drafts[row]`."""
-        masks = [self.masks[step.req_ids[r]] for r in rows]
-        return self._draft(step, forward, rows, masks, np.asarray(budgets, dtype=np.int64), drafts)
+        return self._draft(step, forward, rows, None, np.asarray(budgets, dtype=np.int64), drafts)
 
     def _draft(
         self,
         step: StepView,
         forward: DraftForward,
         rows: list[int],
-        masks: list[SkipMask],
+        masks: list[SkipMask] | None,
         budgets: np.ndarray,
         drafts: list[list[int]],
     ) -> DraftRun:
+        """Each forward's own part on this rank (its rows, metadata and inputs) ends at a
+        checkpoint where the ranks meet (`meet_after`); the rest is the same code on the same
+        broadcast values on every rank."""
         run, start = DraftRun(), time.perf_counter()
         device = forward.device
-        skip_attention = torch.tensor([m.attention for m in masks], dtype=torch.bool)
-        skip_mlp = torch.tensor([m.mlp for m in masks], dtype=torch.bool)
-        first_positions = step.last_positions(rows)
-        tokens = step.tokens_at(rows, first_positions)
+
+        def setup():
+            chosen = masks if masks is not None else [self.masks[step.req_ids[r]] for r in rows]
+            skips = [torch.tensor([getattr(m, part) for m in chosen], dtype=torch.bool) for part in SUBLAYERS]
+            first_positions = step.last_positions(rows)
+            return skips, first_positions, step.tokens_at(rows, first_positions), self._head_ids(step, rows, device)
+
+        (skip_attention, skip_mlp), first_positions, tokens, head_ids = meet_after(setup)
         active = np.arange(len(rows))  # indices into `rows` still drafting
-        head_ids = self._head_ids(step, rows, device)
         exit_threshold = self.options.draft_exit_threshold
         for j in range(int(budgets.max())):
             step_start = time.perf_counter()
-            positions = first_positions[active] + j
             active_rows = [rows[i] for i in active]
-            with forward.draft_step(active_rows, positions, j):
-                fault_point("draft")
+            positions = first_positions[active] + j
+            with ExitStack() as context:
+                own_part = partial(_enter_draft_step, context, forward, active_rows, positions, tokens[active], j)
+                token_ids, position_ids = meet_after(own_part)
                 logits = draft_logits(
-                    self.stream,
-                    torch.from_numpy(tokens[active]).to(device),
-                    torch.from_numpy(positions).to(device),
-                    skip_attention[active],
-                    skip_mlp[active],
-                    head_ids,
+                    self.stream, token_ids, position_ids, skip_attention[active], skip_mlp[active], head_ids
                 )
             if exit_threshold > 0:
                 top_prob, next_tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
@@ -201,3 +207,11 @@ class SelfDrafter:
         contexts = np.concatenate([step.context(r) for r in rows])
         extra = np.unique(contexts[contexts >= num_first])
         return HeadIds(self.head_rows, num_first, torch.from_numpy(extra).to(device))
+
+
+def _enter_draft_step(context: ExitStack, forward: DraftForward, rows: list[int], positions, tokens, index: int):
+    """This rank's own part of a draft step, up to its forward's first collective: the forward
+    context of `rows` at `positions`, and the step's inputs on the device."""
+    context.enter_context(forward.draft_step(rows, positions, index))
+    fault_point("draft")
+    return torch.from_numpy(tokens).to(forward.device), torch.from_numpy(positions).to(forward.device)

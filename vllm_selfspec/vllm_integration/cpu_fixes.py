@@ -27,19 +27,10 @@ applied only where the bug is (the CPU platform, no Triton); remove each when vL
 
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 import torch
 
 from vllm_selfspec.vllm_integration.patching import original, patch
-
-# Testing only: leave the expand-kernel bug in place, to show that the statistical test
-# catches it (tests/test_sampling.py).
-UNPATCHED_SAMPLER_ENV = "VLLM_SELFSPEC_UNPATCHED_CPU_SAMPLER"
-
-logger = logging.getLogger("vllm.selfspec")
 
 
 def expand_batch_to_tokens_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
@@ -54,13 +45,6 @@ def fix_expand_kernel() -> None:
 
     if HAS_TRITON:
         return  # Triton runs the real kernel; the C++ fallback is not used.
-    if os.environ.get(UNPATCHED_SAMPLER_ENV) == "1":
-        logger.warning(
-            "%s=1: vLLM's CPU rejection-sampler bug is left in place, so every speculative method "
-            "(self-admg included) samples the wrong distribution at temperature > 0; for tests only",
-            UNPATCHED_SAMPLER_ENV,
-        )
-        return
     from vllm.utils import cpu_triton_utils
 
     patch(

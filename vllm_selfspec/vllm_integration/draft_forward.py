@@ -140,6 +140,25 @@ def max_over_ranks(flags: list[int]) -> list[int]:
     return values.tolist()
 
 
+def meet_after(work):
+    """`work()`, this rank's own part of a draft up to its next collective, then a checkpoint
+    where the tensor-parallel ranks meet (one small all-reduce; nothing on one rank): if any
+    rank's part failed, every rank stops here together, so that none waits in a collective the
+    others never reach. This rank's own fault is raised as it is; another's as `RanksStopped`."""
+    from vllm_selfspec.fail_safe import RanksStopped
+
+    try:
+        result, fault = work(), None
+    except Exception as err:
+        result, fault = None, err
+    (failed,) = max_over_ranks([int(fault is not None)])
+    if fault is not None:
+        raise fault
+    if failed:
+        raise RanksStopped("another tensor-parallel rank failed its part of this draft")
+    return result
+
+
 def tensor_parallel_rank() -> int:
     from vllm.distributed import get_tp_group
 

@@ -36,7 +36,7 @@ from vllm_selfspec.options import CLOSED_BATCHES_KEY
 from vllm_selfspec.vllm_integration.patching import original, patch
 from vllm_selfspec.vllm_integration.scheduler_lookahead import is_self_admg_config
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.selfspec")
 
 
 @dataclass
@@ -122,8 +122,7 @@ def new_tenants(scheduler, output) -> tuple[tuple[str, bytes | None], ...]:
     for data in output.scheduled_new_reqs:
         request = scheduler.requests.get(data.req_id)
         if request is not None and hasattr(request, "cache_salt"):
-            salt = request.cache_salt
-            tenants.append((data.req_id, None if salt is None else salt_digest(salt)))
+            tenants.append((data.req_id, salt_digest(request.cache_salt)))
     return tuple(tenants)
 
 
