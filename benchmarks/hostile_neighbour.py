@@ -36,9 +36,11 @@ from benchmarks.serve_load import VllmServer, server_flags
 HOSTILE_TOKEN = 11  # any single token id; its repetition is what makes the lookup's worst case
 
 
-def streamed_tpot(server: VllmServer, prompt, max_tokens: int, started: threading.Event | None = None) -> float:
+def streamed_tpot(
+    server: VllmServer, prompt, max_tokens: int, started: threading.Event | None = None, extra_body: dict | None = None
+) -> float:
     """Seconds per output token after the first, of one streamed greedy completion (a chat
-    completion if `prompt` is a list of messages)."""
+    completion if `prompt` is a list of messages; `extra_body`: more request fields)."""
     client = server.client(timeout=600)
     chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
     stream = (client.chat.completions if chat else client.completions).create(
@@ -48,7 +50,7 @@ def streamed_tpot(server: VllmServer, prompt, max_tokens: int, started: threadin
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **(extra_body or {})},
     )
     first = last = None
     tokens = 0

@@ -91,6 +91,30 @@ def test_a_queue_that_cannot_move_stops_withholding_until_the_counts_change():
     assert s.step()[0] is True
 
 
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 1.0])
+def test_a_stream_of_long_prompts_withholds_drafts_in_at_most_the_operators_share_of_steps(share):
+    """One tenant's prompts prefilled in chunks, one after another, for 200 steps: the running
+    requests verify drafts in all but `max_withheld_share` of the steps (plus the few banked),
+    and the workers plan drafts for a step that may not withhold them."""
+    from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY
+    from vllm_selfspec.vllm_integration.scheduler_queue import MAX_BANKED_WITHHOLDINGS
+
+    s = FakeScheduler(prefilling=True, waiting=1)
+    s.admits = False  # another prompt always waits behind the one being prefilled
+    s.vllm_config.additional_config = {ADDITIONAL_CONFIG_KEY: {"max_withheld_share": share}}
+    withheld_steps, told_waiting = 0, []
+    for _ in range(200):
+        for r in s.running:
+            r.spec_token_ids = [5, 6]
+        withheld, output = s.step()
+        withheld_steps += withheld
+        told_waiting.append(waiting(output) > 0)
+    assert withheld_steps <= share * 200 + MAX_BANKED_WITHHOLDINGS
+    assert withheld_steps >= share * 200 - 1
+    if share < 1:
+        assert not all(told_waiting)  # the workers draft for the steps past the share
+
+
 def test_the_workers_hear_of_admissible_requests_left_waiting():
     s = FakeScheduler(waiting=0)
     assert waiting(s.step()[1]) == 0

@@ -537,6 +537,84 @@ def test_every_entry_point_refuses_what_only_the_front_end_may_send_with_a_400(s
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}
+# Requests vLLM users send every day, each on the endpoint it belongs to (greedy unless it says).
+EVERYDAY_REQUESTS = {
+    "json schema": (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}}},
+    ),
+    "json object": ("chat", {"response_format": {"type": "json_object"}}),
+    "choice": ("completions", {"structured_outputs": {"choice": ["def add(a, b)", "for i in range", "import numpy"]}}),
+    "regex": ("completions", {"structured_outputs": {"regex": "[a-z]{3,8}( [0-9]{1,3}){2}"}}),
+    "top logprobs": ("chat", {"logprobs": True, "top_logprobs": 3}),
+    "prompt logprobs": ("completions", {"prompt_logprobs": 2, "logprobs": 2}),
+    "echo": ("completions", {"echo": True, "logprobs": 1}),
+    "n = 2 sampled": ("completions", {"n": 2, "temperature": 0.8, "seed": 5}),
+    "penalties": ("completions", {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}),
+    "min_tokens": ("completions", {"min_tokens": 20, "ignore_eos": False}),
+    "max_tokens 1": ("chat", {"max_tokens": 1}),
+    "stream with usage": ("chat", {"stream": True, "stream_options": {"include_usage": True}}),
+    # 13 tokens a copy: 481, and 24 out, of max_model_len 512.
+    "prompt near max_model_len": ("completions", {"prompt": "def add(a, b):\n    return a + b\n" * 37}),
+}
+# OpenAI serves `prediction` with all but n > 1, logprobs and presence or frequency penalties.
+WITH_PREDICTION = [name for name in EVERYDAY_REQUESTS if name not in ("top logprobs", "prompt logprobs", "echo")]
+WITH_PREDICTION.remove("n = 2 sampled")
+WITH_PREDICTION.remove("penalties")
+
+
+def served(server, endpoint: str, fields: dict) -> tuple[int, dict]:
+    """(status, the answer without what differs between any two servers: ids, times, and the
+    prediction counts a plain server does not make); a stream's chunks are joined."""
+    import httpx
+
+    body = {"model": server.model, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **fields}
+    if endpoint == "chat":
+        body = {"messages": [{"role": "user", "content": "Summarize the following article"}], **body}
+    else:
+        body = {"prompt": "import numpy as np\n", **body}
+    url = server.url(f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}")
+    response = httpx.post(url, json=body, timeout=120)
+    if response.status_code != 200:
+        return response.status_code, {"error": response.json()["error"]["message"]}
+    if not body.get("stream"):
+        return 200, comparable(response.json())
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    (usage,) = [c["usage"] for c in chunks if c.get("usage")]
+    return 200, comparable({"text": text, "usage": usage})
+
+
+def comparable(answer):
+    if isinstance(answer, dict):
+        # (a plain server ignores the prediction, whose counts are details of the usage)
+        ignored = ("id", "created", "system_fingerprint", "completion_tokens_details")
+        return {k: comparable(v) for k, v in answer.items() if k not in ignored}
+    if isinstance(answer, list):
+        return [comparable(v) for v in answer]
+    if isinstance(answer, float):  # logprobs: the target's, from logits of another batch shape
+        return pytest.approx(answer, abs=1e-3)
+    return answer
+
+
+@pytest.mark.parametrize("name", list(EVERYDAY_REQUESTS))
+def test_what_users_send_every_day_is_served_as_plain_serves_it(servers, name):
+    """The same status and answer from a plain and a self-admg server, and with the exact answer
+    sent as a prediction where OpenAI serves one; identical token for token (logprobs within
+    float32 rounding of another batch shape)."""
+    plain, admg = servers
+    endpoint, fields = EVERYDAY_REQUESTS[name]
+    expected = served(plain, endpoint, fields)
+    assert expected[0] == 200, expected
+    assert served(admg, endpoint, fields) == expected
+    if name in WITH_PREDICTION:
+        choice = expected[1].get("choices", [{}])[0]
+        answer = expected[1].get("text") or choice.get("text") or choice.get("message", {}).get("content")
+        prediction = {"prediction": {"type": "content", "content": answer}}
+        assert served(admg, endpoint, {**fields, **prediction}) == expected, "with a prediction"
+
+
 def test_a_seed_gives_plain_decodings_sample_with_or_without_a_prediction(servers):
     plain, admg = servers
     sample = dict(temperature=1.0, max_tokens=24, seed=7, extra_body={"ignore_eos": True})

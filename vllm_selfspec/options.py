@@ -178,6 +178,16 @@ class SelfAdmgOptions:
         "more where every request drafts well, as code edits do, but a request may run slower than plain)",
         choices=("per-request", "throughput"),
     )
+    # A prefill step beside verified drafts costs a new request's first token a little; a stream
+    # of long prompts would otherwise cost every running request its drafts for good.
+    max_withheld_share: float = option(
+        0.5,
+        "in a server, the largest share of steps in which running requests verify no drafts so that "
+        "a prompt waiting or being prefilled in chunks gets its first token sooner (1 = every such "
+        "step; 0 = never); past it they draft beside the prefill",
+        0.0,
+        1.0,
+    )
     # Each request's prediction is held in its request and in the workers while it runs.
     max_prediction_tokens: int = option(
         8192,

@@ -188,9 +188,8 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
 
     def _draft(self, prepared: PreparedStep, common_attn_metadata, warm_up: bool) -> list[list[int]]:
         """The part every rank runs alike: the shared plan, lookup drafts and self-drafts. Each
-        rank's own part before a forward ends at a checkpoint (`meet_after`), so that a fault in
-        it on one rank stops every rank there; the warm-up is the ranks' agreed vote, and what
-        is remembered to learn from later is guarded on its own."""
+        rank's own part before a forward ends at a checkpoint (`meet_after`), where a fault on
+        one rank stops every rank; the warm-up is the ranks' agreed vote."""
         step, rows = prepared.step, prepared.step.rows
         # Rank 0's plan on every rank: each rank planned from its own step timings.
         plan = DraftPlan.from_ints(rank0_ints(prepared.plan_ints, self._device), len(prepared.offers))
@@ -199,17 +198,14 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         budgets = [row.draft_budget(self.num_speculative_tokens) if row.may_draft else 0 for row in rows]
         self_rows = [(row, budget) for row, budget, chosen in zip(rows, budgets, plan.self_rows) if chosen]
         warm_row = next((row.index for row, budget in zip(rows, budgets) if budget), None) if warm_up else None
+        forwards = warm_row is not None or bool(plan.self_length and self_rows)
         drafts: list[list[int]] = [[] for _ in range(step.num_rows)]
-        if warm_row is None and not (plan.self_length and self_rows):
-            self._take_lookup_drafts(prepared, plan, drafts)  # no forward follows: no checkpoint
-            self.lessons.step_ended(drafted=True)
-            return drafts
 
-        def own_part() -> DraftForward:
+        def own_part() -> DraftForward | None:
             self._take_lookup_drafts(prepared, plan, drafts)
-            return DraftForward(step.runner, self.vllm_config, common_attn_metadata)
+            return DraftForward(step.runner, self.vllm_config, common_attn_metadata) if forwards else None
 
-        forward = meet_after(own_part)
+        forward = meet_after(own_part) if forwards else own_part()  # (no forward follows: no checkpoint)
         if warm_row is not None:
             self.counters.warmup_seconds += self.self_drafter.warm_up(step, forward, warm_row)
         if plan.self_length and self_rows:
@@ -221,7 +217,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         for row, offer, (source, draft), length in zip(
             prepared.step.rows, prepared.offers, prepared.found, plan.lookup_lengths
         ):
-            if length:
+            if length:  # (what is learned is guarded on its own)
                 drafts[row.index] = [int(t) for t in draft.tokens[:length]]
                 self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(row.req_id, offer, source, length))  # noqa: B023
 

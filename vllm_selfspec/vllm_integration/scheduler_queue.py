@@ -39,12 +39,21 @@ from vllm_selfspec.vllm_integration.scheduler_lookahead import is_self_admg_conf
 logger = logging.getLogger("vllm.selfspec")
 
 
+# Steps of withholding a server may bank while no prompt waits, and spend on a burst of
+# arrivals before the share (`max_withheld_share`) binds.
+MAX_BANKED_WITHHOLDINGS = 4.0
+
+
 @dataclass
 class SchedulerMemory:
     """What the hooks keep of one scheduler between steps (beside it, not on vLLM's object)."""
 
     prefix_cache_resets: int = 0
     withheld_in_vain: tuple | None = None  # (running, waiting) when withholding last admitted nobody
+    # A token bucket: each step adds `max_withheld_share`, each withholding takes one, so that in
+    # any run of steps at most that share (plus the bank) withheld the running requests' drafts.
+    withholdings_banked: float = MAX_BANKED_WITHHOLDINGS
+    max_withheld_share: float | None = None  # the option, read once
 
 
 _memories: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -132,15 +141,37 @@ def withhold_drafts_beside_prefill(scheduler) -> str:
     fault_point("schedule")
     if closed_batches(scheduler):
         return ""
+    memory = memory_of(scheduler)
+    if memory.max_withheld_share is None:
+        memory.max_withheld_share = _max_withheld_share(scheduler)
     if any(request.is_prefill_chunk for request in scheduler.running):
         why = "chunk"
     elif admissible_waiting(scheduler) and not _queue_stuck(scheduler):
         why = "admission"
     else:
+        why = ""
+    if not may_withhold(memory, wanted=bool(why)):
         return ""
     for request in scheduler.running:
         request.spec_token_ids = []  # (vLLM clears them too once they are scheduled)
     return why
+
+
+def may_withhold(memory: SchedulerMemory, wanted: bool) -> bool:
+    """One step of the token bucket: whether this step may withhold drafts (`wanted`: a prompt
+    waits or is prefilled), within `max_withheld_share` of the steps."""
+    memory.withholdings_banked = min(MAX_BANKED_WITHHOLDINGS, memory.withholdings_banked + memory.max_withheld_share)
+    if not wanted or memory.withholdings_banked < 1.0:
+        return False
+    memory.withholdings_banked -= 1.0
+    return True
+
+
+def _max_withheld_share(scheduler) -> float:
+    from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
+
+    config = scheduler.vllm_config.additional_config or {}
+    return make_options(config.get(ADDITIONAL_CONFIG_KEY, {})).max_withheld_share
 
 
 def admissible_waiting(scheduler) -> int:
@@ -159,13 +190,15 @@ def admissible_waiting(scheduler) -> int:
 def _after_schedule(scheduler, output, withheld_for: str) -> int:
     """Remember a withholding for an admission that admitted nobody, until the counts change
     or someone is admitted; the admissible requests left waiting (none while the queue is
-    stuck: the workers would plan no drafts for it)."""
+    stuck, or while the next step may not withhold: the workers would plan no drafts for it)."""
+    memory = memory_of(scheduler)
     admitted = bool(output.scheduled_new_reqs or output.scheduled_cached_reqs.resumed_req_ids)
     if withheld_for == "admission" and not admitted:
-        memory_of(scheduler).withheld_in_vain = scheduler.get_request_counts()
+        memory.withheld_in_vain = scheduler.get_request_counts()
     elif admitted:
-        memory_of(scheduler).withheld_in_vain = None
-    return 0 if _queue_stuck(scheduler) else admissible_waiting(scheduler)
+        memory.withheld_in_vain = None
+    may_withhold_next = memory.withholdings_banked + (memory.max_withheld_share or 0.0) >= 1.0
+    return admissible_waiting(scheduler) if may_withhold_next and not _queue_stuck(scheduler) else 0
 
 
 def _queue_stuck(scheduler) -> bool:
