@@ -565,7 +565,24 @@ def environment(args) -> dict:
         "worker_cores": os.environ.get(CORES_ENV_VAR, "auto (unset)"),  # for serving: see settings
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "argv": sys.argv,
+        "commit": measured_commit(),
     }
+
+
+def measured_commit() -> str:
+    """The commit the code ran at, with " (modified)" where the working tree differed from it
+    (a kept result folder names the commit it was measured on)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" (modified)" if dirty.stdout.strip() else "")
 
 
 def plot(rows: list[dict], ablations: list[dict], out: Path, baseline: str = "plain") -> None:

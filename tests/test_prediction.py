@@ -65,6 +65,33 @@ def test_a_rows_prediction_draft_carries_its_run_as_its_match_length():
     assert (source, draft.tokens.tolist(), draft.match) == want
 
 
+def test_a_prediction_left_at_every_fourth_token_gives_way_to_the_contexts_longer_match():
+    """A hostile prediction (three equal tokens and another, repeated, beside an output of that
+    token) rejoins at every token but is left at the next: the context's own repeats match
+    longer, and draft instead. A prediction followed since its first token drafts as it is."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_selfspec.control import DraftSource
+    from vllm_selfspec.fail_safe import FailSafe
+    from vllm_selfspec.options import make_options
+    from vllm_selfspec.row_lookup import RowLookup
+
+    def found(prediction, output, prompt=(5, 6)):
+        context = np.asarray([*prompt, *output])
+        step = SimpleNamespace(
+            prediction=lambda row, limit: prediction[:limit], output=lambda row: output, context=lambda row: context
+        )
+        lookup = RowLookup(make_options({}), FailSafe())
+        ((source, draft),) = lookup.find(step, [SimpleNamespace(req_id="a", index=0)], [4], look_up=True)
+        return source, draft.tokens.tolist()
+
+    assert found([7, 7, 7, 9] * 64, [7] * 40) == (DraftSource.LOOKUP, [7, 7, 7, 7])
+    followed = FILE[:3] + FILE[:3] + FILE  # the prompt's repeats would match too
+    assert found(followed, followed[:8], prompt=FILE[:10]) == (DraftSource.PREDICTION, followed[8:12])
+
+
 def test_a_prediction_wrong_from_its_first_token_drafts_nothing_and_counts_nothing_used():
     cursor = PredictionCursor(FILE)
     output = list(range(500, 530))

@@ -117,6 +117,7 @@ class PredictionCursor:
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.position: int | None = 0  # the prediction's token the output's next token should be
         self.lost_at = 0  # where the cursor last stood before the output departed
+        self.departures = 0  # times the output departed from the prediction
         self.seen = 0  # output tokens followed so far
         # Output tokens that equalled the prediction's in a row where the cursor stands (those
         # that found the way back count): the longer, the likelier the next draft holds, as a
@@ -147,7 +148,7 @@ class PredictionCursor:
                 self.position, self.run = at + 1, self.run + 1
                 continue
             if at is not None:
-                self.lost_at, self.position = at, None
+                self.lost_at, self.position, self.departures = at, None, self.departures + 1
             self.position = self._rejoin(new[max(0, i + 1 - REJOIN_TOKENS) : i + 1])
             self.run = 0 if self.position is None else REJOIN_TOKENS
             if self.position is not None:  # the tokens that found the way back were used too

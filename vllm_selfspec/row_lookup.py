@@ -3,8 +3,9 @@
 """What the proposer tracks per request for drafts that cost no forward: each row's tenant, its
 quarantine, its tenant's history of earlier outputs, and where its output stands in its own
 prediction, if it sent one. The proposer asks `find` for each row's draft in a step: the
-prediction's where the output follows it (the request's own guess of its answer is the best
-source there is), else the best lookup draft; and hands every request that ends to `forget`.
+prediction's where the output follows it (the request's own guess of its answer), unless a
+lookup draft matches more of the context than the output has followed the prediction, else the
+best lookup draft; and hands every request that ends to `forget`.
 No vLLM: the step is read through `vllm_integration.runner_state.StepView`.
 
 A row whose own lookup raises while the others' do not is that request's fault: it is
@@ -66,9 +67,9 @@ class RowLookup:
         return self.quarantine.allows(row.req_id, lambda: (self.tenant(row.req_id), step.prompt(row.index)))
 
     def find(self, step, rows, budgets: list[int], look_up: bool) -> list[Found]:
-        """Each row's draft: its prediction's, else its best lookup draft if `look_up` (NO_DRAFT
-        where neither offers one or the budget is 0). A row quarantined now gets its budget set
-        to 0 in `budgets`."""
+        """Each row's draft: its prediction's or its best lookup draft if `look_up`, whichever
+        matches more (the prediction's on a tie; NO_DRAFT where neither offers one or the budget
+        is 0). A row quarantined now gets its budget set to 0 in `budgets`."""
         fault_point("lookup")
         found, failed, tried = [], [], 0
         lookup_seconds, self.rows_looked_up = 0.0, 0
@@ -80,10 +81,12 @@ class RowLookup:
                 tried += 1
                 try:
                     source, draft = self._predicted(step, row, budget)
-                    if not len(draft) and self.options.lookup and look_up:
+                    if self.options.lookup and look_up and not self._trusted(row, draft):
                         looked_up_at = time.perf_counter()
                         self.rows_looked_up += 1
-                        source, draft = self._row(step, row, budget)
+                        looked_up = self._row(step, row, budget)
+                        if len(looked_up[1]) and (not len(draft) or looked_up[1].match > draft.match):
+                            source, draft = looked_up
                         lookup_seconds += time.perf_counter() - looked_up_at
                 except Exception as err:
                     failed.append((i, row, err))
@@ -116,6 +119,14 @@ class RowLookup:
             )
             for row, budget, (source, draft) in zip(rows, budgets, found)
         ]
+
+    def _trusted(self, row, draft: LookupDraft) -> bool:
+        """Whether the row's prediction draft stands without a lookup to compare: one the output
+        has followed since its first token, or for as long as a lookup can match. Otherwise (one
+        built to be left at every fourth token, say) the context's own repeats may draft better,
+        and the longer match drafts."""
+        cursor = self.cursors.get(row.req_id)
+        return bool(len(draft)) and (cursor.departures == 0 or draft.match >= self.options.lookup_max_match)
 
     def _predicted(self, step, row, budget: int) -> Found:
         """The row's prediction where its output stands in it (NO_DRAFT without one, or lost)."""
