@@ -33,6 +33,7 @@ from pathlib import Path
 from benchmarks.output import default_out
 from benchmarks.serve_load import VllmServer, server_flags
 
+SERVERS = ("plain", "self-admg")
 HOSTILE_TOKEN = 11  # any single token id; its repetition is what makes the lookup's worst case
 
 
@@ -94,18 +95,26 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> Path:
+def begin_run(args, name: str) -> tuple[Path, Path]:
+    """A served run's start: the dtype and cores chosen and said, its folder (`args.out`, else a
+    dated one named `name`) with environment.json, and the model's path."""
     from benchmarks import assets
     from benchmarks.engine import bind_worker_cores, choose_dtype
     from benchmarks.run import environment
 
-    args = parse_args(argv)
     args.dtype, args.dtype_reason = choose_dtype(args.dtype)
     print(f"cores {bind_worker_cores().reason}; dtype {args.dtype_reason}", flush=True)
-    out = args.out or default_out("hostile-neighbour")
+    out = args.out or default_out(name)
     out.mkdir(parents=True, exist_ok=True)
     (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
-    model = assets.model_or_path(args.model)
+    return out, assets.model_or_path(args.model)
+
+
+def main(argv=None) -> Path:
+    from benchmarks import assets
+
+    args = parse_args(argv)
+    out, model = begin_run(args, "hostile-neighbour")
     ordinary = (
         [{"role": "user", "content": assets.load_prompts("mtbench")[0]}]
         if args.ordinary == "chat"
@@ -142,10 +151,6 @@ def main(argv=None) -> Path:
 
 
 def write(rows: list[dict], out: Path, args) -> None:
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     lines = [
         f"Ordinary {args.ordinary} request ({args.ordinary_output} tokens) beside a prompt of {args.hostile_tokens} "
         f"repeated tokens ({args.hostile_output} tokens out); {args.model}, {args.dtype}; "
@@ -165,6 +170,19 @@ def write(rows: list[dict], out: Path, args) -> None:
             f"{p['ordinary_tpot_ms'] / plain_mean:.2f} | {p['hostile_tpot_ms']:.1f} | "
             f"{s['hostile_tpot_ms']:.1f} |"
         )
+    series = {
+        n: [(r["round"], r["ordinary_tpot_ms"]) for r in rows if r["server"] == n] for n in ("plain", "self-admg")
+    }
+    save_run(out, rows, lines, series, "ordinary request beside a hostile prompt")
+
+
+def save_run(out: Path, rows: list[dict], lines: list[str], series: dict[str, list[tuple]], title: str) -> None:
+    """results.csv (`rows`), table.md (`lines`, printed too) and tpot.png: ms per output token by
+    round, a line per series."""
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print("\n" + table)
@@ -174,14 +192,9 @@ def write(rows: list[dict], out: Path, args) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in ("plain", "self-admg"):
-        ax.plot(
-            [r["round"] for r in rows if r["server"] == name],
-            [r["ordinary_tpot_ms"] for r in rows if r["server"] == name],
-            "o-",
-            label=name,
-        )
-    ax.set(xlabel="round", ylabel="ms per output token", title="ordinary request beside a hostile prompt")
+    for name, points in series.items():
+        ax.plot([r for r, _ in points], [ms for _, ms in points], "o-", label=name)
+    ax.set(xlabel="round", ylabel="ms per output token", title=title)
     ax.set_ylim(bottom=0)
     ax.legend()
     fig.tight_layout()

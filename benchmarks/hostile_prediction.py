@@ -22,18 +22,16 @@ in the cache, outside the repository).
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import statistics
 import threading
 import time
 from pathlib import Path
 
-from benchmarks.hostile_neighbour import streamed_tpot
-from benchmarks.output import default_out
+from benchmarks.hostile_neighbour import begin_run, save_run, streamed_tpot
 from benchmarks.serve_load import VllmServer, server_flags
 
 REPEATED, OTHER = " a", " b"  # words that tokenize to one token each, alone and repeated
+CASES = ("none", "hostile")  # without a prediction, and with the hostile one
 
 
 class HealthPoller:
@@ -81,17 +79,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> Path:
-    from benchmarks import assets
-    from benchmarks.engine import bind_worker_cores, choose_dtype
-    from benchmarks.run import environment
-
     args = parse_args(argv)
-    args.dtype, args.dtype_reason = choose_dtype(args.dtype)
-    print(f"cores {bind_worker_cores().reason}; dtype {args.dtype_reason}", flush=True)
-    out = args.out or default_out("hostile-prediction")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
-    model = assets.model_or_path(args.model)
+    out, model = begin_run(args, "hostile-prediction")
     prompt = REPEATED * args.prompt_tokens
     held = {"structured_outputs": {"regex": f"({REPEATED})+"}}  # the answer: the token repeated
     hostile = {"type": "content", "content": hostile_prediction(args.prediction_tokens)}
@@ -102,7 +91,7 @@ def main(argv=None) -> Path:
     with server:
         streamed_tpot(server, prompt, 32, extra_body=cases["hostile"])  # warm-up, unmeasured
         for round_ in range(args.rounds):
-            for name in ("none", "hostile") if round_ % 2 == 0 else ("hostile", "none"):
+            for name in CASES if round_ % 2 == 0 else CASES[::-1]:
                 with HealthPoller(server) as health:
                     tpot = streamed_tpot(server, prompt, args.output_tokens, extra_body=cases[name])
                 rows.append(
@@ -131,10 +120,6 @@ def main(argv=None) -> Path:
 
 
 def write(rows: list[dict], out: Path, args) -> None:
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     by = {(r["round"], r["prediction"]): r for r in rows}
     lines = [
         f"One request ({args.prompt_tokens}-token prompt of one token, {args.output_tokens} tokens out, held to "
@@ -151,23 +136,8 @@ def write(rows: list[dict], out: Path, args) -> None:
         ratio = hostile["tpot_ms"] / none["tpot_ms"]
         times = f"{none['tpot_ms']:.1f} | {hostile['tpot_ms']:.1f} | {ratio:.2f}x"
         lines.append(f"| {round_} | {times} | {health[0]} | {health[1]} |")
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    print("\n" + table)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in ("none", "hostile"):
-        mine = [r for r in rows if r["prediction"] == name]
-        ax.plot([r["round"] for r in mine], [r["tpot_ms"] for r in mine], "o-", label=f"prediction: {name}")
-    ax.set(xlabel="round", ylabel="ms per output token", title="a request with a hostile prediction and without")
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "tpot.png", dpi=120)
+    series = {f"prediction: {n}": [(r["round"], r["tpot_ms"]) for r in rows if r["prediction"] == n] for n in CASES}
+    save_run(out, rows, lines, series, "a request with a hostile prediction and without")
 
 
 if __name__ == "__main__":
