@@ -8,13 +8,17 @@ by side (the idle one waits without computing), and in alternating rounds sends 
 long hostile prompt (--hostile-tokens of one token, decoding --hostile-output tokens) and, once
 its prefill is done, an ordinary request beside it: a HumanEval prompt (`--ordinary code`, which
 gains from its own drafts) or an MT-Bench question through the chat template (`--ordinary chat`,
-which gains little, and so shows what a neighbour's drafts cost a request). It prints and saves the ordinary
-request's time per output token (and the hostile one's) per round, self-admg over plain of the
-same round, with plain's own spread across rounds beside it.
+which gains little, and so shows what a neighbour's drafts cost a request). With `--neighbour
+long-prompts` the neighbour is instead a stream of prompts of --hostile-tokens distinct tokens,
+one after another, so that a prefill runs in every step (what drafts withheld beside prefills
+cost). It prints and saves the ordinary request's time per output token (and the hostile one's,
+or a long prompt's seconds) per round, self-admg over plain of the same round, with plain's own
+spread across rounds beside it.
 
     LD_PRELOAD=$PWD/.venv/lib/libiomp5.so .venv/bin/python -m benchmarks.hostile_neighbour
     ... --rounds 5 --hostile-tokens 7000
     ... --ordinary chat --ordinary-output 48 --hostile-tokens 6000 --dtype float32
+    ... --ordinary chat --neighbour long-prompts --hostile-tokens 8000 --max-model-len 9000
 
 Writes table.md, results.csv, tpot.png and environment.json to --out (default: a dated folder in
 the cache, outside the repository).
@@ -67,6 +71,8 @@ def streamed_tpot(
 
 
 def one_round(server: VllmServer, ordinary: str, args) -> dict[str, float]:
+    if args.neighbour == "long-prompts":
+        return beside_long_prompts(server, ordinary, args)
     hostile_prompt = [HOSTILE_TOKEN] * args.hostile_tokens
     started, result = threading.Event(), {}
     hostile = threading.Thread(
@@ -76,6 +82,32 @@ def one_round(server: VllmServer, ordinary: str, args) -> dict[str, float]:
     started.wait(600)  # its prefill done: from now on it decodes beside the ordinary request
     result["ordinary"] = streamed_tpot(server, ordinary, args.ordinary_output)
     hostile.join()
+    return result
+
+
+def beside_long_prompts(server: VllmServer, ordinary: str, args) -> dict[str, float]:
+    """The ordinary request while another client sends prompts of --hostile-tokens distinct
+    tokens, one after another, each for one output token: a prefill in chunks in every step.
+    "hostile": the seconds each long prompt took, on average."""
+    import random
+
+    stop, seconds = threading.Event(), []
+
+    def send_long_prompts():
+        rng, client = random.Random(len(seconds)), server.client(timeout=600)
+        while not stop.is_set():
+            prompt = [rng.randrange(1000, 20000) for _ in range(args.hostile_tokens)]  # no prefix cached
+            start = time.perf_counter()
+            client.completions.create(model=server.model, prompt=prompt, max_tokens=1)
+            seconds.append(time.perf_counter() - start)
+
+    sender = threading.Thread(target=send_long_prompts)
+    sender.start()
+    time.sleep(1.0)  # the first long prompt is being prefilled
+    result = {"ordinary": streamed_tpot(server, ordinary, args.ordinary_output)}
+    stop.set()
+    sender.join()
+    result["hostile"] = statistics.mean(seconds) if seconds else float("nan")
     return result
 
 
@@ -89,6 +121,12 @@ def parse_args(argv=None):
     parser.add_argument("--ordinary-output", type=int, default=128)
     parser.add_argument(
         "--ordinary", choices=["code", "chat"], default="code", help="the ordinary request: HumanEval or MT-Bench"
+    )
+    parser.add_argument(
+        "--neighbour",
+        choices=["repeated", "long-prompts"],
+        default="repeated",
+        help="a prompt of one repeated token decoding beside it, or a stream of long prompts (8k tokens, say)",
     )
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--out", type=Path, default=None)
@@ -151,10 +189,14 @@ def main(argv=None) -> Path:
 
 
 def write(rows: list[dict], out: Path, args) -> None:
+    neighbour = (
+        f"a stream of prompts of {args.hostile_tokens} distinct tokens (1 token out; hostile: ms per prompt)"
+        if args.neighbour == "long-prompts"
+        else f"a prompt of {args.hostile_tokens} repeated tokens ({args.hostile_output} tokens out)"
+    )
     lines = [
-        f"Ordinary {args.ordinary} request ({args.ordinary_output} tokens) beside a prompt of {args.hostile_tokens} "
-        f"repeated tokens ({args.hostile_output} tokens out); {args.model}, {args.dtype}; "
-        "ms per output token; speed-up: plain's time per token over self-admg's in the same round; "
+        f"Ordinary {args.ordinary} request ({args.ordinary_output} tokens) beside {neighbour}; {args.model}, "
+        f"{args.dtype}; ms per output token; speed-up: plain's time per token over self-admg's in the same round; "
         "plain's spread: its time over its mean across rounds.",
         "",
         "| round | plain | self-admg | speed-up | plain's spread | hostile: plain | hostile: self-admg |",
