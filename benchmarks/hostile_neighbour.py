@@ -133,15 +133,16 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def begin_run(args, name: str) -> tuple[Path, Path]:
-    """A served run's start: the dtype and cores chosen and said, its folder (`args.out`, else a
-    dated one named `name`) with environment.json, and the model's path."""
+def begin_run(args, name: str, cores) -> tuple[Path, Path]:
+    """A served run's start, its cores bound (`cores`: `engine.bind_worker_cores()`): the dtype
+    chosen and both said, its folder (`args.out`, else a dated one named `name`) with
+    environment.json, and the model's path."""
     from benchmarks import assets
-    from benchmarks.engine import bind_worker_cores, choose_dtype
+    from benchmarks.engine import choose_dtype
     from benchmarks.run import environment
 
     args.dtype, args.dtype_reason = choose_dtype(args.dtype)
-    print(f"cores {bind_worker_cores().reason}; dtype {args.dtype_reason}", flush=True)
+    print(f"cores {cores.reason}; dtype {args.dtype_reason}", flush=True)
     out = args.out or default_out(name)
     out.mkdir(parents=True, exist_ok=True)
     (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
@@ -150,9 +151,10 @@ def begin_run(args, name: str) -> tuple[Path, Path]:
 
 def main(argv=None) -> Path:
     from benchmarks import assets
+    from benchmarks.engine import bind_worker_cores
 
     args = parse_args(argv)
-    out, model = begin_run(args, "hostile-neighbour")
+    out, model = begin_run(args, "hostile-neighbour", bind_worker_cores())
     ordinary = (
         [{"role": "user", "content": assets.load_prompts("mtbench")[0]}]
         if args.ordinary == "chat"

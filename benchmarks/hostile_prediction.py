@@ -79,8 +79,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> Path:
+    from benchmarks.engine import bind_worker_cores
+
     args = parse_args(argv)
-    out, model = begin_run(args, "hostile-prediction")
+    out, model = begin_run(args, "hostile-prediction", bind_worker_cores())
     prompt = REPEATED * args.prompt_tokens
     held = {"structured_outputs": {"regex": f"({REPEATED})+"}}  # the answer: the token repeated
     hostile = {"type": "content", "content": hostile_prediction(args.prediction_tokens)}
