@@ -100,17 +100,10 @@ def pin_step_costs(llm, t0: float, t_row: float, t_verify: float, self_step: flo
     moment. Its cost learning is unit-tested in test_controller.py."""
 
     def pin(worker):  # nested, so pickled by value into the worker
-        from vllm_selfspec.control.step_costs import self_step_cost, target_step_cost
+        from vllm_selfspec.control.step_costs import pin_step_costs as pin_costs
 
-        step, drafting = target_step_cost(), self_step_cost()
-        for rows in (1, 4, 8) * 4:
-            for drafts in (0, 2):
-                seconds = t0 + t_row * (rows + drafts) + t_verify * (drafts > 0)
-                step.observe((0, rows + drafts, 0, drafts > 0, False, 0.0), seconds)
-            drafting.observe((rows,), self_step)
-        step.observe = drafting.observe = lambda *args: None
         costs = worker.model_runner.drafter.controller.costs
-        costs.step, costs.self_step = step, drafting
+        pin_costs(costs, t0=t0, t_row=t_row, t_verify=t_verify, self_step=self_step)
 
     llm.collective_rpc(pin)
 

@@ -169,16 +169,14 @@ class StepView:
         return self.batch.token_ids_cpu[rows, positions]
 
 
+# vLLM's SamplingParams.sampling_type is GREEDY below this temperature; read as vLLM reads
+# it, without importing vLLM, so that the pure stages' benchmark runs where vLLM is absent.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 def _samples(params) -> bool:
     """Whether a request samples (temperature > 0) rather than taking the argmax."""
-    return params is not None and params.sampling_type != _greedy()
-
-
-@functools.cache
-def _greedy():  # (imported once, not every row of every step)
-    from vllm.sampling_params import SamplingType
-
-    return SamplingType.GREEDY
+    return params is not None and params.temperature >= GREEDY_BELOW_TEMPERATURE
 
 
 def _tokens_left(request) -> int | None:

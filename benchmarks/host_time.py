@@ -1,0 +1,401 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""The proposer's host time per step, by stage, beside vLLM's own `ngram` proposer on the same
+token histories. On a GPU a decode step takes a few milliseconds, and whatever the proposer does
+on the host adds to every one of them: this measures that part alone, with no model.
+
+Synthetic batches of B rows decode their answers step by step as vLLM would run them: each
+step a row emits the draft tokens its answer bears out plus one, and the proposer's model-free
+stages (`vllm_selfspec.draft_pipeline`: read, learn, look up, offer, plan, hand over the lookup
+drafts) run over vLLM's runner state, mocked as plain arrays. Step costs are pinned to an H100
+step of an 8B model (`../shared/gpu/verify_costs_h100.md`), so that the plans are the ones a GPU
+would get, whatever this machine's speed. Workloads:
+  nothing     random prompts and answers: lookup finds little, nothing pays;
+  lookup      answers that copy their prompts with edits (code edits, summaries);
+  prediction  the same, each request sending its answer, edited, as OpenAI's `prediction`;
+  history     answers copied from earlier outputs, in a --history-token pool shared by
+              unsalted requests (`lookup_history_unsalted`).
+Needs numpy, numba and scipy, not vLLM: vLLM's `ngram` proposer is run where vLLM is installed,
+or from a copy of its source file (--ngram-source) where it is not, a GPU host say.
+
+    .venv/bin/python -m benchmarks.host_time
+    .venv/bin/python -m benchmarks.host_time --batches 1 16 --workloads lookup --steps 32
+
+Writes table.md, results.csv, host_time.png and environment.json to --out (default: a dated
+folder in the cache, outside the repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from vllm_selfspec.control import DraftPlan
+from vllm_selfspec.control.step_costs import pin_step_costs
+from vllm_selfspec.counters import PROPOSER_PARTS, PartClock
+from vllm_selfspec.draft_pipeline import DraftPipeline
+from vllm_selfspec.fail_safe import FailSafe
+from vllm_selfspec.first_tokens import SchedulerNote
+from vllm_selfspec.options import make_options
+from vllm_selfspec.prediction import PREDICTION_KEY
+from vllm_selfspec.vllm_integration.runner_state import StepView
+
+WORKLOADS = ("nothing", "lookup", "prediction", "history")
+VOCAB = 32000
+# An H100 step of an 8B model at context 1024 (verify_costs_h100.md): 7.56 ms at batch 16,
+# 9.95 ms at 64; verifying a draft of 4 at batch 16 costs 1.24x.
+GPU_8B = {"t0": 6.76e-3, "t_row": 5e-5, "t_verify": 3e-4, "self_step": 5e-3}
+
+
+@dataclass
+class Row:
+    """One request: its prompt, the answer it will emit, and its prediction, if any."""
+
+    req_id: str
+    prompt: np.ndarray
+    answer: np.ndarray
+    prediction: list[int] | None = None
+    emitted: int = 0  # answer tokens emitted so far
+
+
+def make_rows(workload: str, batch: int, *, context: int, answer: int, history: np.ndarray | None, seed: int):
+    """B requests of a workload (module docstring)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(batch):
+        prompt = rng.integers(1, VOCAB, context)
+        if workload == "nothing":
+            text = rng.integers(1, VOCAB, answer)
+        elif workload == "history":
+            start = int(rng.integers(0, len(history) - answer))
+            text = history[start : start + answer].copy()
+            text[text < 0] = 1
+        else:  # copies of the prompt's spans, an edited token now and then
+            starts = rng.integers(0, context - 64, answer // 32 + 1)
+            text = np.concatenate([prompt[s : s + 32] for s in starts])[:answer]
+            edits = rng.random(answer) < 0.03
+            text[edits] = rng.integers(1, VOCAB, int(edits.sum()))
+        prediction = None
+        if workload == "prediction":
+            guess = text.copy()
+            edits = rng.random(answer) < 0.02
+            guess[edits] = rng.integers(1, VOCAB, int(edits.sum()))
+            prediction = guess.tolist()
+        rows.append(Row(f"req-{seed}-{i}", prompt, np.asarray(text, dtype=np.int64), prediction))
+    return rows
+
+
+def earlier_outputs(tokens: int, seed: int) -> list[np.ndarray]:
+    """Outputs of earlier requests, `tokens` in all, of 256 tokens each."""
+    rng = np.random.default_rng(seed + 1)
+    return [rng.integers(1, VOCAB, 256) for _ in range(max(1, tokens // 257))]
+
+
+class MockedRunner:
+    """vLLM 0.32's model runner and scheduler output as `StepView` reads them, over plain arrays:
+    the rows decode their answers, emitting in each step the draft tokens the answer bears out
+    and one more (greedy verification)."""
+
+    def __init__(self, rows: list[Row], max_tokens: int):
+        self.rows = rows
+        n, width = len(rows), max(len(r.prompt) for r in rows) + max_tokens + 1
+        self.input_batch = SimpleNamespace(
+            req_ids=[r.req_id for r in rows],
+            req_id_to_index={r.req_id: i for i, r in enumerate(rows)},
+            token_ids_cpu=np.zeros((n, width), dtype=np.int32),
+            num_tokens_no_spec=np.zeros(n, dtype=np.int32),
+            num_prompt_tokens=np.array([len(r.prompt) for r in rows], dtype=np.int32),
+        )
+        self.requests = {}
+        for i, r in enumerate(rows):
+            self.input_batch.token_ids_cpu[i, : len(r.prompt)] = r.prompt
+            self.input_batch.num_tokens_no_spec[i] = len(r.prompt)
+            params = SimpleNamespace(
+                max_tokens=max_tokens,
+                temperature=0.0,
+                seed=None,
+                min_p=0.0,
+                logit_bias=None,
+                stop=None,
+                stop_token_ids=[],
+                eos_token_id=0,
+                extra_args={PREDICTION_KEY: r.prediction} if r.prediction else None,
+            )
+            self.requests[r.req_id] = SimpleNamespace(
+                sampling_params=params, output_token_ids=[], prompt_token_ids=r.prompt.tolist()
+            )
+        self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB)
+        self.first = True
+
+    def step(self, drafts: list[list[int]]) -> tuple[object, list[list[int]]]:
+        """Run one step verifying `drafts`: the scheduler output and each row's sampled tokens."""
+        batch, sampled = self.input_batch, []
+        for i, (row, draft) in enumerate(zip(self.rows, drafts)):
+            truth = row.answer[row.emitted : row.emitted + len(draft) + 1]
+            accepted = 0
+            while accepted < len(draft) and accepted + 1 < len(truth) and draft[accepted] == truth[accepted]:
+                accepted += 1
+            emitted = truth[: accepted + 1].tolist()
+            end = int(batch.num_tokens_no_spec[i])
+            batch.token_ids_cpu[i, end : end + len(emitted)] = emitted
+            batch.num_tokens_no_spec[i] = end + len(emitted)
+            self.requests[row.req_id].output_token_ids.extend(emitted)
+            row.emitted += len(emitted)
+            sampled.append(emitted)
+        scheduled = {r.req_id: 1 + len(d) for r, d in zip(self.rows, drafts)}
+        output = SimpleNamespace(
+            scheduled_new_reqs=list(self.rows) if self.first else [],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[] if self.first else list(scheduled), resumed_req_ids=set()),
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            num_scheduled_tokens=scheduled,
+            scheduled_spec_decode_tokens={r.req_id: d for r, d in zip(self.rows, drafts) if d},
+        )
+        self.first = False
+        return output, sampled
+
+    @property
+    def answers_left(self) -> int:
+        return min(len(r.answer) - r.emitted for r in self.rows)
+
+
+@dataclass
+class Measured:
+    seconds: list[float] = field(default_factory=list)  # per step
+    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROPOSER_PARTS, 0.0))
+    draft_tokens: int = 0
+
+
+def run_ours(runner: MockedRunner, *, k: int, steps: int, warm_up: int, options: dict, history) -> Measured:
+    """The pipeline as the proposer drives it each step, minus self-drafting (which needs the model)."""
+    pipeline = DraftPipeline(make_options(options), k, FailSafe())
+    pin_step_costs(pipeline.controller.costs, **GPU_8B)
+    for output in history or ():
+        pipeline.lookup.history.add(None, output)
+    measured, drafts = Measured(), [[] for _ in runner.rows]
+    note = SchedulerNote(tenants=tuple((r.req_id, None) for r in runner.rows))
+    for step_index in range(warm_up + steps):
+        output, sampled = runner.step(drafts)
+        parts = measured.parts if step_index >= warm_up else {}
+        start = time.perf_counter()
+        pipeline.begin_step(note if step_index == 0 else SchedulerNote(), runner.requests)
+        clock = PartClock(parts)
+        prepared = pipeline.prepare(StepView(runner, output, sampled), clock, probed=())
+        look_up = pipeline.wants_lookup(prepared)
+        clock.lap("plan")
+        may_draft, (pipeline.look_up,) = pipeline.fail_safe.agree(True, (int(look_up),))
+        clock.lap("agree")
+        drafts = [[] for _ in sampled]
+        if may_draft:
+            plan = DraftPlan.from_ints(prepared.plan_ints, len(prepared.offers))
+            pipeline.take_lookup_drafts(prepared, plan, drafts)
+        pipeline.lessons.step_ended(drafted=may_draft)
+        pipeline.lessons.call_ended()
+        clock.lap("draft")
+        if step_index >= warm_up:
+            measured.seconds.append(time.perf_counter() - start)
+            measured.draft_tokens += sum(map(len, drafts))
+    return measured
+
+
+def ngram_proposer(k: int, max_model_len: int, source: Path | None):
+    """vLLM's NgramProposer (prompt_lookup_min 2, max 4, as the lab's `ngram`), from vLLM or,
+    where vLLM is absent, from a copy of vllm/v1/spec_decode/ngram_proposer.py; None if neither."""
+    try:
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+    except ImportError:
+        if source is None or not source.exists():
+            return None
+        text = source.read_text().replace("from vllm.config import VllmConfig", "VllmConfig = object")
+        namespace = {"__name__": "ngram_proposer"}
+        exec(compile(text, str(source), "exec"), namespace)  # noqa: S102 (vLLM's own file, named by the user)
+        NgramProposer = namespace["NgramProposer"]
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(prompt_lookup_min=2, prompt_lookup_max=4, num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        scheduler_config=SimpleNamespace(max_num_seqs=1024),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+    return NgramProposer(config)
+
+
+def run_ngram(proposer, runner: MockedRunner, *, k: int, steps: int, warm_up: int) -> Measured:
+    measured, drafts = Measured(), [[] for _ in runner.rows]
+    batch = runner.input_batch
+    for step_index in range(warm_up + steps):
+        _, sampled = runner.step(drafts)
+        start = time.perf_counter()
+        drafts = proposer.propose(k, sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+        if step_index >= warm_up:
+            measured.seconds.append(time.perf_counter() - start)
+            measured.draft_tokens += sum(map(len, drafts))
+    return measured
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--history-tokens", type=int, default=65536)
+    parser.add_argument("--steps", type=int, default=48, help="measured steps per run")
+    parser.add_argument("--warm-up", type=int, default=16, help="unmeasured steps first")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ngram-source", type=Path, help="vLLM's ngram_proposer.py, where vLLM is not installed")
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    if args.out is None:
+        from benchmarks.output import default_out
+
+        args.out = default_out("host-time")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
+    answer = args.k * (args.warm_up + args.steps) + 64  # (every row still decoding at the last step)
+    ngram = ngram_proposer(args.k, args.context + answer + 1, args.ngram_source)
+    history = earlier_outputs(args.history_tokens, 0)
+    pool = np.concatenate([np.append(h, -1) for h in history])
+    rows = []
+    for round_ in range(args.rounds):
+        for workload in args.workloads:
+            for batch in args.batches:
+                options = {"lookup_history_unsalted": True} if workload == "history" else {}
+                made = {"context": args.context, "answer": answer, "history": pool, "seed": round_}
+                run = {"k": args.k, "steps": args.steps, "warm_up": args.warm_up}
+                runner = MockedRunner(make_rows(workload, batch, **made), answer)
+                ours = run_ours(runner, options=options, history=history if workload == "history" else None, **run)
+                runner = MockedRunner(make_rows(workload, batch, **made), answer)  # (the same rows, anew)
+                theirs = run_ngram(ngram, runner, **run) if ngram is not None else None
+                rows.append(result_row(round_, workload, batch, args.steps, ours, theirs))
+                print(rows[-1], flush=True)
+    write(rows, args)
+    return args.out
+
+
+def result_row(round_: int, workload: str, batch: int, steps: int, ours: Measured, theirs: Measured | None) -> dict:
+    median = statistics.median(ours.seconds)
+    row = {
+        "round": round_,
+        "workload": workload,
+        "batch": batch,
+        "ms_per_step": round(1e3 * median, 4),
+        "us_per_row": round(1e6 * median / batch, 2),
+        **{f"ms_{part}": round(1e3 * ours.parts[part] / steps, 4) for part in PROPOSER_PARTS},
+        "draft_tokens_per_step": round(ours.draft_tokens / steps, 2),
+        "pct_of_8b_step": round(100 * median / gpu_step_seconds(batch), 2),
+        "ngram_ms_per_step": None if theirs is None else round(1e3 * statistics.median(theirs.seconds), 4),
+        "ngram_draft_tokens_per_step": None if theirs is None else round(theirs.draft_tokens / steps, 2),
+    }
+    return row
+
+
+def gpu_step_seconds(batch: int) -> float:
+    """A plain decode step of an 8B model on one H100 (the pinned costs)."""
+    return GPU_8B["t0"] + GPU_8B["t_row"] * batch
+
+
+def write(rows: list[dict], args) -> None:
+    from benchmarks.serve_load import markdown_table
+
+    with open(args.out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = []
+    for workload in args.workloads:
+        for batch in args.batches:
+            runs = [r for r in rows if r["workload"] == workload and r["batch"] == batch]
+            ms = sorted(r["ms_per_step"] for r in runs)
+            ngram = sorted(r["ngram_ms_per_step"] for r in runs if r["ngram_ms_per_step"] is not None)
+            summary.append(
+                {
+                    "workload": workload,
+                    "batch": batch,
+                    "ms per step (median of rounds; range)": f"{statistics.median(ms):.3f} ({ms[0]:.3f}-{ms[-1]:.3f})",
+                    "us per row": f"{1e3 * statistics.median(ms) / batch:.1f}",
+                    "% of an 8B H100 step": f"{100 * statistics.median(ms) / 1e3 / gpu_step_seconds(batch):.1f}",
+                    "largest part": max(PROPOSER_PARTS, key=lambda p: statistics.median(r[f"ms_{p}"] for r in runs)),
+                    "draft tokens per step": statistics.median(r["draft_tokens_per_step"] for r in runs),
+                    "ngram ms per step": f"{statistics.median(ngram):.3f}" if ngram else "n/a",
+                    "ngram draft tokens per step": (
+                        statistics.median(r["ngram_draft_tokens_per_step"] for r in runs) if ngram else "n/a"
+                    ),
+                }
+            )
+    env = environment(args)
+    lines = [
+        f"# The proposer's host time per step ({env['cpu_model']}, {env['cpus']} CPUs)",
+        "",
+        f"K = {args.k}, {args.context}-token prompts, {args.steps} steps measured after {args.warm_up}, "
+        f"{args.rounds} rounds; step costs pinned to an 8B model's H100 step. `python -m benchmarks.host_time "
+        + " ".join(os.sys.argv[1:])
+        + "`",
+        "",
+        markdown_table(summary),
+    ]
+    (args.out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(summary, args)
+
+
+def plot(summary: list[dict], args) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for workload in args.workloads:
+        points = [(s["batch"], float(s["ms per step (median of rounds; range)"].split()[0])) for s in summary]
+        points = [p for p, s in zip(points, summary) if s["workload"] == workload]
+        ax.plot(*zip(*points), "o-", label=f"self-admg, {workload}")
+    ngram = [(s["batch"], float(s["ngram ms per step"])) for s in summary if s["workload"] == args.workloads[0]]
+    if all(s["ngram ms per step"] != "n/a" for s in summary):
+        ax.plot(*zip(*ngram), "k--", label=f"vLLM ngram, {args.workloads[0]}")
+    ax.plot(args.batches, [1e3 * 0.02 * gpu_step_seconds(b) for b in args.batches], ":", label="2% of an 8B H100 step")
+    ax.set(xscale="log", yscale="log", xlabel="rows in the batch", ylabel="host ms per step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out / "host_time.png", dpi=120)
+
+
+def environment(args) -> dict:
+    from benchmarks.run import measured_commit
+
+    return {
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "commit": os.environ.get("MEASURED_COMMIT") or measured_commit(),  # (set where no .git travels)
+        "arguments": vars(args),
+    }
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

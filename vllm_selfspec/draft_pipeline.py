@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""The proposer's stages that need no model, over one step: read it, learn from the step that
+ran, look up each row's draft, offer, plan, and (once the ranks agreed on rank 0's plan) hand
+over the planned lookup drafts. No vLLM and no torch: the step is read through an object with
+`vllm_integration.runner_state.StepView`'s interface, so that the lab can time these stages on
+any machine (`benchmarks/host_time.py`), a GPU host without vLLM included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_selfspec.control import DraftController, DraftPlan, RowOffer
+from vllm_selfspec.counters import PartClock, ProposerCounters
+from vllm_selfspec.fail_safe import FailSafe, fault_point
+from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens, SchedulerNote
+from vllm_selfspec.learning import StepLessons
+from vllm_selfspec.options import SelfAdmgOptions
+from vllm_selfspec.row_lookup import Found, RowLookup
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """What a step's rank-local part found: the step, each drafting row's lookup draft and
+    offer, and this rank's plan, ready for the broadcast (`DraftPlan.as_ints`)."""
+
+    step: object  # a StepView
+    found: list[Found]
+    offers: list[RowOffer]
+    plan_ints: list[int]
+
+
+class DraftPipeline:
+    def __init__(self, options: SelfAdmgOptions, num_speculative_tokens: int, fail_safe: FailSafe):
+        self.options = options
+        self.num_speculative_tokens = num_speculative_tokens
+        self.fail_safe = fail_safe
+        self.counters = ProposerCounters()
+        self.controller = DraftController()
+        self.controller.planner.protect_rows = options.objective == "per-request"
+        self.lessons = StepLessons(self.controller, self.counters)
+        self.lookup = RowLookup(options, fail_safe)
+        self.first_tokens = FirstTokenPolicy()
+        self.note = SchedulerNote()  # what the scheduler said with the step in progress
+        self.look_up = True  # the ranks' agreed decision, for the next step
+
+    def begin_step(self, note: SchedulerNote, live_requests) -> None:
+        """A step began: the scheduler's note (new requests' tenants)."""
+        self.lessons.note_step()
+        self.note = note
+        fault_point("update_states")
+        self.lookup.admit(note.tenants, live_requests)
+
+    def prepare(self, step, clock: PartClock, probed) -> PreparedStep:
+        """The rank-local part of a step, before the ranks meet: learn from the step that ran,
+        offer each row's lookup draft and plan (each rank its own plan; rank 0's is used).
+        `probed`: the requests whose prompts are measured for self-drafting."""
+        rows = step.rows  # (read from vLLM's state once, here)
+        clock.lap("read_step")
+        self.lessons.learn(step)
+        first_tokens = self.first_tokens.next_step(
+            step=self.lessons.steps_run,
+            note=self.note,
+            ended=step.finishing_rows,
+            admitted=step.admitted_requests,
+            engine_was_busy=step.engine_was_busy,
+        )
+        clock.lap("learn")
+        k = self.num_speculative_tokens
+        budgets = [row.draft_budget(k) if row.may_draft and self.lookup.allowed(step, row) else 0 for row in rows]
+        found = self.lookup.find(step, rows, budgets, self.look_up)
+        if self.lookup.rows_looked_up:
+            self.controller.observe_lookup(self.lookup.rows_looked_up, self.lookup.seconds)
+        clock.lap("look_up")
+        offers = self.lookup.offers(step, rows, budgets, found, probed=probed)
+        return PreparedStep(step, found, offers, self.plan(offers, max(budgets, default=0), first_tokens).as_ints())
+
+    def plan(self, offers: list[RowOffer], self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
+        """How much of each kind of draft pays this step (everything offered, if not adaptive)."""
+        fault_point("plan")
+        if first_tokens == FirstTokens.QUEUED:
+            self.counters.steps_prompts_waiting += 1
+            return DraftPlan.nothing(len(offers))
+        if not self.options.adaptive:
+            return DraftPlan.everything(offers, self_budget)
+        expected = first_tokens == FirstTokens.EXPECTED
+        return self.controller.plan(offers, self_budget, self.first_tokens.draining, expected)
+
+    def wants_lookup(self, prepared: PreparedStep | None) -> bool:
+        """This rank's vote on looking up next step (the ranks look up if any wants to): it is
+        paid on every row before any plan, so the controller weighs it against what it saved."""
+        if not self.options.lookup or not self.options.adaptive:
+            return True
+        try:
+            return self.controller.look_up_next(len(prepared.offers) if prepared is not None else 0)
+        except Exception as err:  # a vote is no reason to skip the agreement
+            self.fail_safe.record(err)
+            return True
+
+    def take_lookup_drafts(self, prepared: PreparedStep, plan: DraftPlan, drafts: list[list[int]]) -> None:
+        """The planned part of each row's lookup draft, into `drafts` (by batch row)."""
+        for row, offer, (source, draft), length in zip(
+            prepared.step.rows, prepared.offers, prepared.found, plan.lookup_lengths
+        ):
+            if length:  # (what is learned is guarded on its own)
+                drafts[row.index] = [int(t) for t in draft.tokens[:length]]
+                self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(row.req_id, offer, source, length))  # noqa: B023
+
+    def no_drafts(self, rows: int) -> list[list[int]]:
+        self.lessons.step_ended(drafted=False)
+        return [[] for _ in range(rows)]
