@@ -54,7 +54,8 @@ WORKLOADS = ("nothing", "lookup", "prediction", "history")
 VOCAB = 32000
 # An H100 step of an 8B model at context 1024 (verify_costs_h100.md): 7.56 ms at batch 16,
 # 9.95 ms at 64; verifying a draft of 4 at batch 16 costs 1.24x.
-GPU_8B = {"t0": 6.76e-3, "t_row": 5e-5, "t_verify": 3e-4, "self_step": 5e-3}
+# Self-drafting is priced out (a draft step of a second): there is no model here to draft with.
+GPU_8B = {"t0": 6.76e-3, "t_row": 5e-5, "t_verify": 3e-4, "self_step": 1.0}
 
 
 @dataclass
@@ -175,10 +176,26 @@ class Measured:
     draft_tokens: int = 0
 
 
-def run_ours(runner: MockedRunner, *, k: int, steps: int, warm_up: int, options: dict, history) -> Measured:
-    """The pipeline as the proposer drives it each step, minus self-drafting (which needs the model)."""
+def run_ours(
+    runner: MockedRunner,
+    *,
+    k: int,
+    steps: int,
+    warm_up: int,
+    options: dict,
+    history,
+    plans: list | None = None,
+    lookup_seconds_per_row: float | None = None,
+) -> Measured:
+    """The pipeline as the proposer drives it each step, minus self-drafting (which needs the
+    model). `plans`: each step's plan and drafts are appended to it; `lookup_seconds_per_row`:
+    what the lookup gate is told lookups cost, instead of their time (so that plans replay
+    exactly, tests/test_replayed_plans.py)."""
     pipeline = DraftPipeline(make_options(options), k, FailSafe())
     pin_step_costs(pipeline.controller.costs, **GPU_8B)
+    if lookup_seconds_per_row is not None:
+        gate = pipeline.controller.lookup_gate
+        pipeline.controller.observe_lookup = lambda rows, _: gate.observe_lookup(rows, rows * lookup_seconds_per_row)
     for output in history or ():
         pipeline.lookup.history.add(None, output)
     measured, drafts = Measured(), [[] for _ in runner.rows]
@@ -189,7 +206,7 @@ def run_ours(runner: MockedRunner, *, k: int, steps: int, warm_up: int, options:
         start = time.perf_counter()
         pipeline.begin_step(note if step_index == 0 else SchedulerNote(), runner.requests)
         clock = PartClock(parts)
-        prepared = pipeline.prepare(StepView(runner, output, sampled), clock, probed=())
+        prepared = pipeline.prepare(StepView(runner, output, sampled, pipeline.request_facts), clock, probed=())
         look_up = pipeline.wants_lookup(prepared)
         clock.lap("plan")
         may_draft, (pipeline.look_up,) = pipeline.fail_safe.agree(True, (int(look_up),))
@@ -204,6 +221,8 @@ def run_ours(runner: MockedRunner, *, k: int, steps: int, warm_up: int, options:
         if step_index >= warm_up:
             measured.seconds.append(time.perf_counter() - start)
             measured.draft_tokens += sum(map(len, drafts))
+        if plans is not None:
+            plans.append({"plan": [int(x) for x in prepared.plan_ints], "drafts": drafts})
     return measured
 
 

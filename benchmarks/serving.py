@@ -153,11 +153,13 @@ class Server:
     @staticmethod
     def from_slug(slug: str) -> Server:
         """The set-up a file name names (its speculative config: the method's)."""
-        from benchmarks.run import method_configs
+        from benchmarks.run import choose_methods, method_configs
 
         suffix = DEFAULT_CORES.replace(" ", "_")
         method = slug.removesuffix(suffix)
-        return Server(method, method_configs(None).get(method), slug.endswith(suffix))
+        known = method_configs(None)
+        config = choose_methods(known, method, [method])[method] if method.partition("@")[0] in known else None
+        return Server(method, config, slug.endswith(suffix))
 
     @property
     def reports_proposer(self) -> bool:
@@ -940,14 +942,11 @@ def round_order(specs: list[Server], round_: int, plain_between: bool) -> list[S
 
 
 def servers(args) -> list[Server]:
-    from benchmarks.run import method_configs
+    from benchmarks.run import choose_methods, method_configs
 
-    known = method_configs(args.draft_path)
-    unknown = [m for m in args.methods if m not in known]
-    if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join(known)}")
-    names = ["plain", *[m for m in args.methods if m != "plain"]]
-    return [Server(m, known[m], default) for default in args.default_cores for m in names]
+    others = [m for m in args.methods if m != "plain"]
+    chosen = choose_methods(method_configs(args.draft_path), "plain", others or ["plain"])
+    return [Server(m, config, default) for default in args.default_cores for m, config in chosen.items()]
 
 
 def parse_args(argv=None):
@@ -962,7 +961,8 @@ def parse_args(argv=None):
         "--methods",
         nargs="+",
         default=["ngram", "suffix", "draft_model", "self-admg-paper", "self-admg"],
-        help="besides plain, which always runs first (draft_model only in full mode)",
+        help="besides plain, which always runs first (draft_model only in full mode); NAME@K runs NAME "
+        "with draft length K, e.g. self-admg@8",
     )
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(UNMIXED))
     parser.add_argument(

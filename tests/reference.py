@@ -104,3 +104,29 @@ def numpy_suffix_draft(
         if tokens and sum(probs) >= best.score:
             best = LookupDraft(np.asarray(tokens, dtype=np.int64), tuple(probs), int(m))
     return best
+
+
+def give_back_by_scan(protection, taken: list, seconds: float) -> list:
+    """The planner's give-back as first written: while some row is not left its due, scan
+    `taken` (by gain per second, best first) from its end for the least paying deepest token
+    of a row left its due without it, else of a row that does not bind, else take the least
+    paying; give it back. The tokens given back, in order (O(tokens x rows))."""
+    given, row = [], None
+    while taken and (row := protection.a_binding_row(seconds - protection.t_plain, hint=row)) is not None:
+        added, seen, fallback, chosen = seconds - protection.t_plain, set(), None, None
+        for k in range(len(taken) - 1, -1, -1):
+            rows, gained = taken[k][2], taken[k][4]
+            deepest = seen.isdisjoint(rows)
+            seen.update(rows)
+            if not deepest or protection.binds(rows, added):
+                continue
+            if protection.due_without(rows, gained, added):
+                chosen = k
+                break
+            fallback = k if fallback is None else fallback
+        k = chosen if chosen is not None else (len(taken) - 1 if fallback is None else fallback)
+        token = taken.pop(k)
+        protection.take(token[2], token[3], token[4], sign=-1)
+        seconds -= token[3] * len(token[2])
+        given.append(token)
+    return given

@@ -1245,3 +1245,63 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
     assert run_step(verified=2) == settled  # cut short
     assert run_step(verified=4, made=False) == settled  # not made (a fault, or the ranks disagreed)
     assert run_step(verified=4) > settled
+
+
+def test_the_indexed_give_back_gives_back_what_a_scan_would():
+    """`GiveBack` (heaps over each row's thresholds) against the scan it replaced
+    (`reference.give_back_by_scan`), on random plans: lookup tokens of many rows, and some
+    with a self-draft's tokens over several rows; the same tokens, in the same order."""
+    import copy
+    import random
+
+    from vllm_selfspec.control.planner import GiveBack, RowDue, RowProtection
+
+    from reference import give_back_by_scan
+
+    rng = random.Random(5)
+    compared = given_back = 0
+    for _ in range(3000):
+        rows = rng.randint(1, 24)
+        self_rows = sorted(rng.sample(range(rows), rng.randint(2, rows))) if rows > 2 and rng.random() < 0.3 else []
+        taken = []
+        for i in range(rows):
+            if i in self_rows:
+                continue
+            gain, price = rng.uniform(0.3, 1.0), rng.uniform(0.001, 0.01)
+            for _depth in range(rng.choice([0, 1, 2, 4, 8])):
+                taken.append((gain / price, "lookup", [i], price, [gain]))
+                gain *= rng.uniform(0.5, 1.0)
+        if self_rows:
+            each, a = rng.uniform(0.001, 0.01), rng.uniform(0.3, 0.9)
+            for depth in range(1, rng.randint(1, 4) + 1):
+                taken.append(
+                    (
+                        len(self_rows) * a**depth / each,
+                        "self",
+                        self_rows,
+                        each / len(self_rows),
+                        [a**depth] * len(self_rows),
+                    )
+                )
+        taken.sort(key=lambda token: -token[0])
+        t_plain = 0.05 + rows * 0.003
+        due = RowDue(
+            t_plain,
+            rng.choice([0.0, 0.004]),
+            trusted=[rng.random() < 0.6 for _ in range(rows)],
+            ahead=[rng.choice([-0.004, 0.0, 0.002, 0.01]) for _ in range(rows)],
+        )
+        protection = RowProtection(due)
+        for token in taken:
+            protection.take(token[2], token[3], token[4])
+        seconds = t_plain + due.t_verify + sum(t[3] * len(t[2]) for t in taken)
+        scanned = give_back_by_scan(copy.deepcopy(protection), list(taken), seconds)
+        indexed, give_back, row = [], GiveBack(protection, list(taken)), None
+        while give_back.left and (row := protection.a_binding_row(seconds - t_plain, hint=row)) is not None:
+            token = give_back.pop(seconds - t_plain)
+            seconds -= token[3] * len(token[2])
+            indexed.append(token)
+        assert indexed == scanned
+        compared += 1
+        given_back += len(scanned)
+    assert compared == 3000 and given_back > 3000

@@ -44,6 +44,7 @@ class DraftPipeline:
         self.first_tokens = FirstTokenPolicy()
         self.note = SchedulerNote()  # what the scheduler said with the step in progress
         self.look_up = True  # the ranks' agreed decision, for the next step
+        self.request_facts: dict = {}  # per live request (`runner_state.RequestFacts`)
 
     def begin_step(self, note: SchedulerNote, live_requests) -> None:
         """A step began: the scheduler's note (new requests' tenants)."""
@@ -51,6 +52,8 @@ class DraftPipeline:
         self.note = note
         fault_point("update_states")
         self.lookup.admit(note.tenants, live_requests)
+        if len(self.request_facts) > 2 * len(live_requests) + 64:  # (should a request never be forgotten)
+            self.request_facts = {r: f for r, f in self.request_facts.items() if r in live_requests}
 
     def prepare(self, step, clock: PartClock, probed) -> PreparedStep:
         """The rank-local part of a step, before the ranks meet: learn from the step that ran,
@@ -106,6 +109,9 @@ class DraftPipeline:
             if length:  # (what is learned is guarded on its own)
                 drafts[row.index] = [int(t) for t in draft.tokens[:length]]
                 self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(row.req_id, offer, source, length))  # noqa: B023
+
+    def forget(self, req_id: str) -> None:
+        self.request_facts.pop(req_id, None)
 
     def no_drafts(self, rows: int) -> list[list[int]]:
         self.lessons.step_ended(drafted=False)

@@ -97,7 +97,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
             self.fail_safe.tick()
             if self.fail_safe.disabled:
                 return self.pipeline.no_drafts(rows)
-            step = StepView(runner, scheduler_output, sampled_token_ids)
+            step = StepView(runner, scheduler_output, sampled_token_ids, self.pipeline.request_facts)
             prepared = self.fail_safe.attempt(lambda: self.pipeline.prepare(step, clock, self.self_drafter.masks))
             warmed_up = self.self_drafter is not None and self.self_drafter.warmed_up
             votes = (int(self.pipeline.wants_lookup(prepared)), int(not warmed_up))
@@ -162,6 +162,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         drafting switched off, so that nothing is left behind."""
         # Each clean-up on its own, so that one that raises leaves nothing else behind.
         for clean_up in (
+            lambda: self.pipeline.forget(req_id),
             lambda: self.lookup.forget(req_id, request),
             lambda: self.controller.forget(req_id),
             lambda: self.self_drafter.forget(req_id) if self.self_drafter is not None else None,

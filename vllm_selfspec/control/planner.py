@@ -488,10 +488,10 @@ def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, tota
                 protection.take([i], cost[i], [gains[i][depth]])
                 tokens, seconds, lifting = tokens + gains[i][depth], seconds + cost[i], True
     taken.sort(key=lambda token: -token[0])  # (stable: a row's deeper tokens stay after its others)
+    give_back = GiveBack(protection, taken)
     row = None
-    while taken and (row := protection.a_binding_row(seconds - protection.t_plain, hint=row)) is not None:
-        _, kind, rows, each, gained = taken.pop(token_to_give_back(protection, taken, seconds))
-        protection.take(rows, each, gained, sign=-1)
+    while give_back.left and (row := protection.a_binding_row(seconds - protection.t_plain, hint=row)) is not None:
+        _, kind, rows, each, gained = give_back.pop(seconds - protection.t_plain)
         tokens, seconds = tokens - sum(gained), seconds - each * len(rows)
         if kind == "self":
             choice.self_length -= 1
@@ -535,32 +535,75 @@ def every_lookup_token_binds(due: RowDue, offers, cost) -> bool:
     return len(blocking) >= 2 or 0 in blocking
 
 
-def token_to_give_back(protection: RowProtection, taken, seconds: float) -> int:
-    """Which of the tokens `taken` (by gain per second, best first) to give back while some row
-    is not left its due by a step of `seconds`: the least paying of a row that would still be
-    left its due without it; else of a row that does not bind; else the least paying. Only a
-    row's deepest token is given back (its last in `taken`). Rows are asked whether they bind
-    one token at a time, not all at once: at large batches most pops stop at the last token."""
-    added, seen, fallback = seconds - protection.t_plain, set(), None
-    allowances = protection.allowances
-    for k in range(len(taken) - 1, -1, -1):
-        rows, gained = taken[k][2], taken[k][4]
-        if len(rows) == 1:  # (a lookup token: the common case, asked without building sets)
-            i = rows[0]
-            if i in seen:
-                continue
-            seen.add(i)
-            if added > allowances[i]:
-                continue
-        else:
-            deepest = seen.isdisjoint(rows)
-            seen.update(rows)
-            if not deepest or protection.binds(rows, added):
-                continue
-        if protection.due_without(rows, gained, added):
-            return k
-        fallback = k if fallback is None else fallback
-    return len(taken) - 1 if fallback is None else fallback
+class GiveBack:
+    """Which token to give back, one at a time, while some row is not left its due: the least
+    paying token of a row that would still be left its due without it; else of a row that does
+    not bind; else the least paying. Only a row's deepest token is given back (its last in
+    `taken`, which is sorted by gain per second, best first); the self-draft tokens share their
+    rows, so their deepest stands for all of them. Each row's (or the self-draft rows') two
+    thresholds, the step's excess over plain's that leaves it its due without its deepest token
+    and the excess it allows at all, change only when its own token goes; the excess only falls
+    as tokens go. So a row, once past a threshold, stays past it until its token goes: heaps
+    give each answer in O(log rows), where a scan of `taken` cost O(tokens), so O(tokens x rows)
+    a plan (tests/test_controller.py checks the two agree)."""
+
+    def __init__(self, protection: RowProtection, taken: list):
+        self.protection, self.taken = protection, taken
+        self.positions: dict[tuple, list[int]] = {}  # a token's rows -> its tokens' places in `taken`
+        for position, token in enumerate(taken):
+            self.positions.setdefault(tuple(token[2]), []).append(position)
+        self.version = dict.fromkeys(self.positions, 0)
+        self.given = bytearray(len(taken))
+        self.last = len(taken) - 1  # the last token not given back
+        self.left = len(taken)
+        # (-threshold, version, rows): not yet past; (-place, version, rows): past it.
+        self.waiting: tuple[list, list] = ([], [])
+        self.past: tuple[list, list] = ([], [])
+        for rows in self.positions:
+            self._push(rows)
+
+    def _push(self, rows: tuple) -> None:
+        p = self.protection
+        gained = self.taken[self.positions[rows][-1]][4]
+        allowed = min(p.allowances[i] for i in rows)
+        due = min(
+            p.allowances[i] - p.t_plain * gain * p.trusted[i] / (1 - ROW_SLACK) - p.t_verify * (p.drafted[i] == 1)
+            for i, gain in zip(rows, gained)
+        )
+        for waiting, threshold in zip(self.waiting, (due, allowed)):
+            heapq.heappush(waiting, (-threshold, self.version[rows], rows))
+
+    def _current(self, entry) -> bool:
+        return self.version[entry[2]] == entry[1] and bool(self.positions[entry[2]])
+
+    def _choose(self, added: float) -> int:
+        for waiting, past in zip(self.waiting, self.past):
+            while waiting and -waiting[0][0] >= added:
+                _, version, rows = heapq.heappop(waiting)
+                if self.version[rows] == version and self.positions[rows]:
+                    heapq.heappush(past, (-self.positions[rows][-1], version, rows))
+            while past and not self._current(past[0]):
+                heapq.heappop(past)
+            if past:
+                return -past[0][0]
+        return self.last
+
+    def pop(self, added: float):
+        """Give back the token to give back while the step is `added` seconds longer than
+        plain's: its (gain per second, kind, rows, seconds each, gains)."""
+        position = self._choose(added)
+        token = self.taken[position]
+        rows = tuple(token[2])
+        self.positions[rows].pop()
+        self.version[rows] += 1
+        self.given[position] = 1
+        self.left -= 1
+        while self.last >= 0 and self.given[self.last]:
+            self.last -= 1
+        self.protection.take(token[2], token[3], token[4], sign=-1)
+        if self.positions[rows]:
+            self._push(rows)
+        return token
 
 
 def draining_choice(offers, gains, cost, step, self_budget, a_self: float, costs: StepCostModel) -> Choice:

@@ -39,13 +39,43 @@ class StepShape:
     context_read: int = 0  # context tokens the logit rows attend over, summed
 
 
+@dataclass(frozen=True)
+class RequestFacts:
+    """What a request's sampling parameters say, read once, at its first step: they do not
+    change over its life, and reading them costs Python on every row of every step."""
+
+    max_tokens: int | None
+    sampled: bool  # temperature > 0
+    may_draft: bool  # False: its sampling (min_p, logit_bias) is applied by the plain sampler only
+    stop_ids: frozenset[int]  # end-of-sequence and stop token ids
+
+    @staticmethod
+    def of(params) -> RequestFacts:
+        from vllm_selfspec.vllm_integration.sampling_params import needs_plain_sampling
+
+        if params is None:
+            return RequestFacts(None, False, True, frozenset())
+        stops = frozenset(params.stop_token_ids or ()) | {params.eos_token_id}
+        return RequestFacts(params.max_tokens, _samples(params), not needs_plain_sampling(params), stops)
+
+
 class StepView:
-    def __init__(self, runner, scheduler_output, sampled_token_ids: list[list[int]]):
+    """`facts`: each live request's `RequestFacts`, kept by the caller from step to step (and
+    dropped when the request ends); those missing are read here."""
+
+    def __init__(self, runner, scheduler_output, sampled_token_ids: list[list[int]], facts: dict | None = None):
         self.runner = runner
         self.batch = runner.input_batch
         self.scheduler_output = scheduler_output
         self.sampled_token_ids = sampled_token_ids
         self.req_ids = self.batch.req_ids
+        self.facts = {} if facts is None else facts
+
+    def facts_of(self, req_id: str) -> RequestFacts:
+        facts = self.facts.get(req_id)
+        if facts is None:
+            facts = self.facts[req_id] = RequestFacts.of(self.runner.requests[req_id].sampling_params)
+        return facts
 
     @property
     def num_rows(self) -> int:
@@ -71,30 +101,20 @@ class StepView:
         or stop token among them (stop strings end requests later, in the front end)."""
         finishing = 0
         for row in self.rows:
-            params = self.runner.requests[row.req_id].sampling_params
-            stops = set(params.stop_token_ids or ()) | {params.eos_token_id} if params is not None else set()
             ended = row.tokens_left is not None and row.tokens_left <= 0
-            finishing += ended or not stops.isdisjoint(self.sampled_token_ids[row.index])
+            finishing += ended or not self.facts[row.req_id].stop_ids.isdisjoint(self.sampled_token_ids[row.index])
         return finishing
 
     @functools.cached_property
     def rows(self) -> list[StepRow]:
         """Rows that sampled a token this step (a partial prefill samples none)."""
-        from vllm_selfspec.vllm_integration.sampling_params import needs_plain_sampling
-
-        rows = []
+        rows, requests = [], self.runner.requests
         for i, tokens in enumerate(self.sampled_token_ids):
             if tokens:
-                request = self.runner.requests[self.req_ids[i]]
-                rows.append(
-                    StepRow(
-                        i,
-                        self.req_ids[i],
-                        _tokens_left(request),
-                        _samples(request.sampling_params),
-                        not needs_plain_sampling(request.sampling_params),
-                    )
-                )
+                req_id = self.req_ids[i]
+                facts = self.facts_of(req_id)
+                left = None if facts.max_tokens is None else facts.max_tokens - len(requests[req_id].output_token_ids)
+                rows.append(StepRow(i, req_id, left, facts.sampled, facts.may_draft))
         return rows
 
     def verified_draft_tokens(self, req_id: str) -> int:
@@ -128,6 +148,9 @@ class StepView:
         return int(self.batch.num_tokens_no_spec[row])
 
     def samples(self, req_id: str) -> bool:
+        facts = self.facts.get(req_id)
+        if facts is not None:
+            return facts.sampled
         request = self.runner.requests.get(req_id)
         return _samples(request.sampling_params if request is not None else None)
 
@@ -177,11 +200,3 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 def _samples(params) -> bool:
     """Whether a request samples (temperature > 0) rather than taking the argmax."""
     return params is not None and params.temperature >= GREEDY_BELOW_TEMPERATURE
-
-
-def _tokens_left(request) -> int | None:
-    """Tokens a request may still generate before max_tokens (None: no limit)."""
-    params = request.sampling_params
-    if params is None or params.max_tokens is None:
-        return None
-    return params.max_tokens - len(request.output_token_ids)

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""Plans unchanged: the proposer's model-free stages, replayed over the host-time benchmark's
+synthetic batches (`benchmarks.host_time`), make the plans and drafts recorded in
+tests/data/replayed_plans.json, step by step. A change that makes the pipeline faster must make
+the same plans; one that means to change them records them anew and says why in its commit:
+
+    REPLAY_RECORD=1 .venv/bin/python -m pytest tests/test_replayed_plans.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.host_time import MockedRunner, earlier_outputs, make_rows, run_ours
+
+RECORDED = Path(__file__).parent / "data" / "replayed_plans.json"
+CASES = [(w, b) for w in ("nothing", "lookup", "prediction", "history") for b in (1, 8)] + [("prediction", 32)]
+K, STEPS, ANSWER = 8, 24, 400
+
+
+def replay(workload: str, batch: int) -> list[dict]:
+    history = earlier_outputs(4096, 0)
+    pool = np.concatenate([np.append(h, -1) for h in history])
+    rows = make_rows(workload, batch, context=256, answer=ANSWER, history=pool, seed=7)
+    plans: list[dict] = []
+    run_ours(
+        MockedRunner(rows, ANSWER),
+        k=K,
+        steps=STEPS,
+        warm_up=0,
+        options={"lookup_history_unsalted": True} if workload == "history" else {},
+        history=history if workload == "history" else None,
+        plans=plans,
+        lookup_seconds_per_row=20e-6,
+    )
+    return plans
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    if os.environ.get("REPLAY_RECORD"):
+        RECORDED.parent.mkdir(exist_ok=True)
+        RECORDED.write_text(json.dumps({f"{w}/{b}": replay(w, b) for w, b in CASES}) + "\n")
+    return json.loads(RECORDED.read_text())
+
+
+@pytest.mark.parametrize(("workload", "batch"), CASES)
+def test_plans_replay_as_recorded(recorded, workload, batch):
+    expected = recorded[f"{workload}/{batch}"]
+    for step, (now, then) in enumerate(zip(replay(workload, batch), expected, strict=True)):
+        assert now == then, f"{workload}, {batch} rows: step {step} planned differently"
+
+
+def test_the_recording_drafts():
+    """The replay is worth something only if its steps plan drafts of every kind it covers."""
+    recorded = json.loads(RECORDED.read_text())
+    for workload in ("lookup", "prediction", "history"):
+        for batch in (1, 8):
+            drafted = sum(len(d) for step in recorded[f"{workload}/{batch}"] for d in step["drafts"])
+            assert drafted > STEPS, f"{workload}, {batch} rows drafted {drafted} tokens in {STEPS} steps"
