@@ -122,8 +122,8 @@ def test_requests_without_a_salt_share_no_history_unless_the_operator_opts_in():
 def test_an_empty_salt_is_no_salt_as_in_vllm():
     """vLLM salts no block hash with cache_salt="": such requests are unsalted, not one tenant
     that every empty salt shares."""
-    from vllm_selfspec.first_tokens import salt_digest
     from vllm_selfspec.lookup import TenantHistories
+    from vllm_selfspec.scheduler_note import salt_digest
 
     assert salt_digest("") is None and salt_digest(None) is None and salt_digest("a") != salt_digest("b")
     closed = TenantHistories(max_tokens=100)

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens, SchedulerNote, note_of
+from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
+from vllm_selfspec.scheduler_note import SchedulerNote, note_of
 from vllm_selfspec.vllm_integration.scheduler_queue import schedule_for_first_tokens
 
 
@@ -129,7 +130,7 @@ def test_the_workers_hear_of_admissible_requests_left_waiting():
 
 
 def test_the_note_carries_each_new_requests_tenant_as_a_digest_and_only_its_own_version_is_read():
-    from vllm_selfspec.first_tokens import NOTE_ATTRIBUTE, salt_digest
+    from vllm_selfspec.scheduler_note import NOTE_ATTRIBUTE, salt_digest
 
     s = FakeScheduler(waiting=3)
     s.requests = {

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vllm_selfspec"
 MAX_FUNCTION_LINES = 80
-MAX_PROPOSER_LINES = 200
+MAX_PROPOSER_LINES = 150  # proposer.py, the step loop on one page: its model-free stages are draft_pipeline
 
 
 def modules() -> dict[str, Path]:
@@ -129,19 +129,29 @@ def test_no_function_in_the_package_is_longer_than_a_screen_or_two():
 
 
 def test_the_proposer_reads_as_its_loop():
-    tree = ast.parse((PACKAGE / "proposer.py").read_text())
-    (proposer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SelfAdmgProposer"]
-    assert proposer.end_lineno - proposer.lineno + 1 < MAX_PROPOSER_LINES
+    assert len((PACKAGE / "proposer.py").read_text().splitlines()) <= MAX_PROPOSER_LINES
 
 
-@pytest.mark.parametrize("name", ["first_tokens", "control", "control.planner", "lookup", "learning", "row_lookup"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "first_tokens",
+        "scheduler_note",
+        "control",
+        "control.planner",
+        "lookup",
+        "learning",
+        "row_lookup",
+        "draft_pipeline",
+    ],
+)
 def test_pure_parts_import_no_torch(name):
     path = modules()[f"vllm_selfspec.{name}"]
     assert "import torch" not in path.read_text()
 
 
 def test_one_module_sets_an_attribute_on_vllms_objects_and_only_through_the_note():
-    """The scheduler-worker contract has one owner (`first_tokens`): nothing else hangs loose
+    """The scheduler-worker contract has one owner (`scheduler_note`): nothing else hangs loose
     names on vLLM's objects (patches go through `vllm_integration.patching`)."""
     setters = [
         str(path.relative_to(PACKAGE))
@@ -150,4 +160,4 @@ def test_one_module_sets_an_attribute_on_vllms_objects_and_only_through_the_note
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
     ]
-    assert setters == ["first_tokens.py"]
+    assert setters == ["scheduler_note.py"]

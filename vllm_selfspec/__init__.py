@@ -9,9 +9,10 @@ Install it next to vLLM 0.32 and ask for the method by name:
 
 vLLM loads the plugin by itself (entry point `vllm.general_plugins`, `plugin.register`); the
 options are in `vllm_selfspec.options`. The package's parts:
-- proposer: the step loop (learn, offer lookup drafts, plan, self-draft, return drafts), with
-  learning (what a step taught), row_lookup (per request: tenant, quarantine, history) and
-  first_tokens (the scheduler's note to the workers, and the first-token rule);
+- proposer: the step loop; draft_pipeline, its model-free stages (read, learn, look up, offer,
+  plan), with learning (what a step taught), row_lookup (per request: tenant, quarantine,
+  history), first_tokens (the first-token rule) and scheduler_note (the scheduler's note to
+  the workers);
 - self_draft, residual_stream, admg: drafting with the target's own layers under skip masks;
 - lookup: drafts from the context and earlier outputs;
 - control: step costs, acceptance and the plan of how much to draft;

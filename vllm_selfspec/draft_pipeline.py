@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from vllm_selfspec.control import DraftController, DraftPlan, RowOffer
 from vllm_selfspec.counters import PartClock, ProposerCounters
 from vllm_selfspec.fail_safe import FailSafe, fault_point
-from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens, SchedulerNote
+from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens
 from vllm_selfspec.learning import StepLessons
+from vllm_selfspec.lookup import warm_up as warm_up_lookup
 from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.row_lookup import Found, RowLookup
+from vllm_selfspec.scheduler_note import SchedulerNote
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,18 @@ class DraftPipeline:
         self.note = SchedulerNote()  # what the scheduler said with the step in progress
         self.look_up = True  # the ranks' agreed decision, for the next step
         self.request_facts: dict = {}  # per live request (`runner_state.RequestFacts`)
+        self.prefix_cache_resets = 0  # as the scheduler's note last counted them
+        if options.lookup:  # (compiled now, at the engine's start, not in its first request's step)
+            fail_safe.attempt(warm_up_lookup)
 
     def begin_step(self, note: SchedulerNote, live_requests) -> None:
-        """A step began: the scheduler's note (new requests' tenants)."""
+        """A step began: the scheduler's note (a new prefix-cache reset empties the history; new
+        requests' tenants)."""
         self.lessons.note_step()
         self.note = note
+        if note.prefix_cache_resets != self.prefix_cache_resets:
+            self.prefix_cache_resets = note.prefix_cache_resets
+            self.lookup.forget_history()
         fault_point("update_states")
         self.lookup.admit(note.tenants, live_requests)
         if len(self.request_facts) > 2 * len(live_requests) + 64:  # (should a request never be forgotten)
@@ -110,8 +119,16 @@ class DraftPipeline:
                 drafts[row.index] = [int(t) for t in draft.tokens[:length]]
                 self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(row.req_id, offer, source, length))  # noqa: B023
 
-    def forget(self, req_id: str) -> None:
-        self.request_facts.pop(req_id, None)
+    def forget(self, req_id: str, request=None) -> None:
+        """The request ended: drop what is tracked for it, and keep its output for its tenant's
+        later requests (`RowLookup.forget`)."""
+        # Each clean-up on its own, so that one that raises leaves nothing else behind.
+        for clean_up in (
+            lambda: self.request_facts.pop(req_id, None),
+            lambda: self.lookup.forget(req_id, request),
+            lambda: self.controller.forget(req_id),
+        ):
+            self.fail_safe.attempt(clean_up)  # (never let clean-up of an optimisation fail a request)
 
     def no_drafts(self, rows: int) -> list[list[int]]:
         self.lessons.step_ended(drafted=False)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""First tokens as early as plain decoding's, and the one note the scheduler sends the workers.
+"""First tokens as early as plain decoding's.
 
 A prompt's first token comes out of the step that prefills it, so drafts verified in that step
 delay it by their verification. Two rules keep it on time in a server (offline batches keep
@@ -12,59 +12,16 @@ their drafts: there a first token is worth nothing before the batch's end):
   request has just ended and its client's next prompt is likely to arrive (`FirstTokenPolicy`,
   with `Refills`; the planner's cap is `control.planner`).
 
-Everything the scheduler tells the workers travels as one `SchedulerNote` on one attribute of
-vLLM's `SchedulerOutput`, which pickling carries to the workers: written once per step by the
-scheduler hook and read once per step by the runner hook. A note that is missing or of another
-version reads as `SchedulerNote()`: nothing waits, nothing reset, no tenant known, which is
-the closed and plain-like reading. Pure: no vLLM.
+What the scheduler tells the workers comes as one `scheduler_note.SchedulerNote`. Pure: no vLLM.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 
-NOTE_ATTRIBUTE = "self_admg_note"
-NOTE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class SchedulerNote:
-    """What a self-admg engine's scheduler tells its workers with one step."""
-
-    version: int = NOTE_VERSION
-    # Admissible requests left waiting after this step's admissions (none while the queue is
-    # stuck: the workers would plan no drafts for a queue that cannot move).
-    waiting_requests: int = 0
-    closed_batches: bool = False  # offline: nobody waits for a first token before the batch's end
-    # So far: a change in resets makes the workers forget their lookup history, as vLLM forgets
-    # its cached prefixes; the scheduler hooks' faults are published on /metrics by the workers.
-    prefix_cache_resets: int = 0
-    scheduler_faults: int = 0
-    # Each request admitted new in this step, with the 16-byte digest of its cache_salt (None:
-    # it has none): lookup history stays within a tenant, and vLLM 0.32 does not tell the
-    # worker a request's salt. A request missing here is of an unknown tenant: no history.
-    tenants: tuple[tuple[str, bytes | None], ...] = ()
-
-
-def salt_digest(salt: str | None) -> bytes | None:
-    """A fixed-size tenant key for a cache_salt of any length: made once per request in the
-    scheduler, so that a long salt costs the workers nothing more. None for no salt, and for an
-    empty one, which vLLM treats as no salt too (it salts no block hash with it)."""
-    if salt is None or salt == "":
-        return None
-    return hashlib.blake2b(str(salt).encode(), digest_size=16).digest()
-
-
-def attach_note(scheduler_output, note: SchedulerNote) -> None:
-    setattr(scheduler_output, NOTE_ATTRIBUTE, note)
-
-
-def note_of(scheduler_output) -> SchedulerNote:
-    note = getattr(scheduler_output, NOTE_ATTRIBUTE, None)
-    return note if isinstance(note, SchedulerNote) and note.version == NOTE_VERSION else SchedulerNote()
+from vllm_selfspec.scheduler_note import SchedulerNote
 
 
 class FirstTokens(enum.Enum):

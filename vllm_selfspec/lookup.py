@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from vllm_selfspec.control.acceptance import DraftSource
-from vllm_selfspec.first_tokens import salt_digest
+from vllm_selfspec.scheduler_note import salt_digest
 
 SEPARATOR = -1  # between outputs in a history: no continuation crosses it
 
@@ -267,7 +267,7 @@ class TenantHistories:
 
     def key(self, tenant):
         """The pool's key for a tenant: the digest of its salt (bytes, as the scheduler's note
-        carries it: `first_tokens.SchedulerNote`; a salt given as a string is digested here),
+        carries it: `scheduler_note.SchedulerNote`; a salt given as a string is digested here),
         None for the shared unsalted pool, or `_NO_POOL`."""
         if tenant is not UNKNOWN_TENANT and not isinstance(tenant, bytes):
             tenant = salt_digest(tenant)  # a salt given as a string ("" is no salt, as in vLLM)

@@ -9,8 +9,7 @@ target model through `load_model`, and calls `propose_for_runner` after every st
    every rank this step's drafts alike (`fail_safe`);
 3. draft: take rank 0's plan, the planned lookup tokens, and self-draft the rest (`self_draft`);
 4. return ragged lists of draft tokens, which vLLM's scorer and rejection sampler verify.
-Every draft is a point mass (greedy or looked up), so rejection sampling reproduces the target's
-distribution exactly.
+Every draft is a point mass (greedy or looked up): rejection sampling keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ from vllm_selfspec.control import DraftPlan
 from vllm_selfspec.counters import PartClock
 from vllm_selfspec.draft_pipeline import DraftPipeline, PreparedStep
 from vllm_selfspec.fail_safe import FailSafe
-from vllm_selfspec.first_tokens import SchedulerNote
-from vllm_selfspec.lookup import warm_up as warm_up_lookup
 from vllm_selfspec.metrics import MetricsPublisher, metrics_snapshot
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, SelfAdmgConfigError, make_options
+from vllm_selfspec.scheduler_note import SchedulerNote
 from vllm_selfspec.self_draft import SelfDrafter
 from vllm_selfspec.vllm_integration import runner_hook
 from vllm_selfspec.vllm_integration.draft_forward import (
@@ -51,20 +49,13 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.options = make_options((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
         self.fail_safe = FailSafe(max_over_ranks=max_over_ranks)
-        self.pipeline = DraftPipeline(self.options, self.num_speculative_tokens, self.fail_safe)
+        self.pipeline = pipeline = DraftPipeline(self.options, self.num_speculative_tokens, self.fail_safe)
         # (read by the worker extension, the metrics and the tests)
-        self.counters, self.controller, self.lookup = (
-            self.pipeline.counters,
-            self.pipeline.controller,
-            self.pipeline.lookup,
-        )
+        self.counters, self.controller, self.lookup = pipeline.counters, pipeline.controller, pipeline.lookup
         self.scheduler_faults = 0
-        self._prefix_cache_resets = 0
         self.self_drafter: SelfDrafter | None = None
         engine = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0)
         MetricsPublisher.from_environment(rank=tensor_parallel_rank(), engine=engine).start(self, metrics_snapshot)
-        if self.options.lookup:
-            self.fail_safe.attempt(warm_up_lookup)
 
     # vLLM's CPU runner calls this unconditionally, the GPU runner when it exists. The target is
     # kept under another name than `model`: the runner treats `drafter.model` as a separate draft
@@ -73,20 +64,10 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         self.self_drafter = SelfDrafter(target_model, self.options)
         self._device = next(target_model.parameters()).device
 
-    def propose(self, *args, **kwargs):
-        raise RuntimeError(
-            "SelfAdmgProposer is driven by vllm_selfspec's runner hook; it cannot run as a bare "
-            "custom_class proposer (is the vllm_selfspec plugin loaded in this process?)"
-        )
-
     def begin_step(self, note: SchedulerNote, live_requests) -> None:
-        """The runner began a step, whether or not vLLM asks for drafts in it: the scheduler's
-        note (a new prefix-cache reset empties the history; new requests' tenants)."""
-        self.scheduler_faults = max(self.scheduler_faults, note.scheduler_faults)
-        if note.prefix_cache_resets != self._prefix_cache_resets:
-            self._prefix_cache_resets = note.prefix_cache_resets
-            self.lookup.forget_history()
+        """The runner began a step, whether or not vLLM asks for drafts in it."""
         self.pipeline.begin_step(note, live_requests)
+        self.scheduler_faults = max(self.scheduler_faults, note.scheduler_faults)
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids, common_attn_metadata) -> list[list[int]]:
         """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
@@ -149,28 +130,20 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         if new:  # (what is learned is rank-local: its fault costs the lesson, never the ranks' step)
             probe = self.self_drafter.probe(step, forward, new)
             self.fail_safe.attempt(lambda: self.pipeline.lessons.probed(probe))
-        budgets = [min(budget, length) for _, budget in rows]
-        run = self.self_drafter.draft(step, forward, [row.index for row, _ in rows], budgets, drafts)
+        run = self.self_drafter.draft(
+            step, forward, [row.index for row, _ in rows], [min(b, length) for _, b in rows], drafts
+        )
         self.fail_safe.attempt(lambda: self.pipeline.lessons.self_drafts_ran(run))
         for row, _ in rows:
             if drafts[row.index]:
                 self.pipeline.lessons.self_drafted(row.req_id, len(drafts[row.index]))
 
     def forget(self, req_id: str, request=None) -> None:
-        """The runner dropped this request (finished or aborted): drop what is tracked for it,
-        and keep its output for its tenant's later requests (`RowLookup.forget`). Runs even with
-        drafting switched off, so that nothing is left behind."""
-        # Each clean-up on its own, so that one that raises leaves nothing else behind.
-        for clean_up in (
-            lambda: self.pipeline.forget(req_id),
-            lambda: self.lookup.forget(req_id, request),
-            lambda: self.controller.forget(req_id),
-            lambda: self.self_drafter.forget(req_id) if self.self_drafter is not None else None,
-        ):
-            try:
-                clean_up()
-            except Exception as err:  # never let clean-up of an optimisation fail a request
-                self.fail_safe.record(err)
+        """The runner dropped this request (finished or aborted): drop what is tracked for it
+        (`DraftPipeline.forget`), even with drafting switched off."""
+        self.pipeline.forget(req_id, request)
+        if self.self_drafter is not None:
+            self.fail_safe.attempt(lambda: self.self_drafter.forget(req_id))
 
     def forget_history(self) -> None:
         """Forget every earlier output (the worker sleeps)."""

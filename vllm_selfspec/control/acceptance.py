@@ -200,11 +200,12 @@ class AcceptanceModel:
         a chat row's short, weak matches beside a row that repeats one token, whose drafts
         fill other bins). Not a prediction's: it is the request's own text, as good or as bad
         as its sender made it, and other requests' predictions say nothing of it."""
-        own = any(
-            rate.verified >= TRUSTED_AFTER_TOKENS
-            for source in LOOKED_UP
-            if (rate := self._by_request.get((offer.req_id, source))) is not None
-        )
+        own = False
+        for source in LOOKED_UP:  # (a loop, not any(): asked for every row of every step)
+            rate = self._by_request.get((offer.req_id, source))
+            if rate is not None and rate.verified >= TRUSTED_AFTER_TOKENS:
+                own = True
+                break
         if own or not offer.lookup_tokens or DraftSource(offer.lookup_source) == DraftSource.PREDICTION:
             return own
         return all(

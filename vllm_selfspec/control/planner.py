@@ -2,65 +2,13 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """How many tokens each row drafts this step, and from which source: draft only what pays.
 
-A plain step yields B tokens. Each added draft token at depth j, from a source whose tokens are
-accepted with probability a, adds a**j expected tokens at the price of c_i = t_row (+ t_sampled)
-+ t_context x the row's context for a lookup token, or c_i + e(m)/m per row for a self-draft
-(e(m): a self-draft step over m rows). Adding a token raises tokens per second exactly when
-its gain per second beats the current rate, so the steady plan takes the best ratios while
-they do, and is kept only if it beats plain decoding with verification's fixed cost paid.
-With nothing worth drafting the plan is plain decoding.
-
-A margin. A draft token is taken only if its gain per second beats the rate by DRAFT_MARGIN. A
-plan that only breaks even by the estimates buys no tokens per second but makes every step
-longer, and in a server a longer step delays the first token of each prompt that arrives
-during it and of each prompt it prefills. Past capacity, with dozens of rows, lookup drafts
-are break-even at best: drafting them leaves the time per token level and makes first tokens
-later. At light load a draft token beats the rate many times over, and the margin changes little.
-
-First tokens waiting. A prompt that arrives waits for the step in progress, then for the
-step that prefills it; a step made longer by drafts delays its first token by as much. In a
-server the step that prefills verifies no drafts (the scheduler withholds them,
-`vllm_integration.scheduler_queue`), and when a prompt is expected to wait for the step planned
-(a request just ended: clients that hold a number of requests in flight send the next one at
-once), that step may be at most FIRST_TOKEN_SLACK longer than plain decoding's
-(`prompts_waiting`). At light load a prompt arrives at a random moment, unforeseen, and waits
-on average half of whatever step is in progress: that is the price of a longer step, set
-against its tokens by the margin.
-
-Every row protected. The steady plan maximises the batch's tokens per second, but a request
-is timed alone: a row that gains little from drafting pays for its neighbours' drafts in a
-longer step. So a draft token is bought only if, with it, every row's expected rate stays at
-least (1 - ROW_SLACK) of plain decoding's for that row, 1 / t_plain: (1 + g_i) / t_i >=
-(1 - ROW_SLACK) / t_plain, where t_i is the planned step less the time of row i's own drafts
-(and of the verification every draft needs, if row i drafts), and g_i the tokens its own draft
-is expected to add, counted only once the estimate rests on enough verified draft tokens, the
-request's own or, for a new request, its bins' over the batch (`AcceptanceModel.trusted`:
-a guess protects nobody), and not while the row is behind its pace. A row is never charged
-its own draft, so one row alone, or rows that all gain and are not behind, lose nothing by it.
-A request is timed over its life, not a step: the seconds a row is ahead of that pace so far,
-or behind it, are added to what it allows (`row_ledger`), so a row that has gained may pay for
-its neighbours' drafts in a step where it has none, and one whose drafts fared worse than
-estimated allows less until it has caught up. A new row without a draft allows the step to
-grow by ROW_SLACK / (1 - ROW_SLACK) of plain's and no more. The greedy plan is made first, then
-held to the rule (`keep_every_row_due`): a row that binds lengthens its own draft where that
-pays, then tokens are given back where they can be spared. A self-draft retry is made only if
-every row can pay for it from what it carries. An operator who wants the batch's throughput
-whoever pays sets `objective: "throughput"`.
-
-Draining batches. The steady plan values a row's accepted token as the step time it frees for
-someone else. When no request has been admitted for a while (an offline batch finishing), a
-freed slot stays empty and the batch lasts as long as its longest row: a step is saved only when
-every row with the most tokens left advances, and a row d tokens ahead of them must advance by
-r - d for the batch to end r steps sooner. So a draining plan drafts to a common finish line r
-(each row takes r - d of its draft, lookup or self) and is worth t0 * E[min over rows of
-(d + accepted)] + c_i per accepted token, against what its drafts cost: the best r, or none.
-Credited row by row instead, a closed batch drafts in most steps and still takes a step per
-token, since one row or another always has no draft.
-
-Retries. A source that is not used is not measured, so self-drafting, once it stops paying, is
-retried now and then (one draft step, on a back-off schedule), but only if its best case, every
-token accepted over the rows' tokens left, would pay back the retry: the draft step, and the
-probe of a new prompt when no row has a mask yet (a probe costs a few target steps).
+Each draft token at depth j of a source accepted with probability a adds a**j expected tokens
+for its row's price per logit row; the greedy plan takes the best gain per second while it
+beats the step's rate by DRAFT_MARGIN, then is held to the per-row rule (`RowProtection`,
+`keep_every_row_due`) unless the objective is the batch's throughput. Draining batches plan to
+a common finish line (`draining_choice`); self-drafting is retried on a back-off. The whole
+argument, with its arithmetic, is in docs/design.md ("Cost controller", "The planner's
+arithmetic").
 """
 
 from __future__ import annotations

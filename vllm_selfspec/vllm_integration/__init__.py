@@ -7,7 +7,7 @@ Patches (each applied once through `patching.patch`, which records it):
   --speculative-model/--num-speculative-tokens, LLM(speculative_config=...)) and option checks.
 - scheduler_lookahead: the scheduler reserves K KV slots past the verified range for draft KV.
 - scheduler_queue: in a server, a step about to prefill verifies no drafts; each step carries
-  the scheduler's note to the workers (`vllm_selfspec.first_tokens.SchedulerNote`: who waits,
+  the scheduler's note to the workers (`vllm_selfspec.scheduler_note.SchedulerNote`: who waits,
   the new requests' tenants, resets and faults).
 - sampling_params: min_p and logit_bias are served (rows using them get no drafts).
 - predicted_outputs: OpenAI's `prediction` taken, tokenized and reported in usage.

@@ -7,7 +7,7 @@ a `SelfAdmgProposer` pass through unchanged.
 1. `propose_draft_token_ids`: a bare custom_class proposer gets only token ids. Ours also needs
    the runner (block tables, attention builders, live requests), the scheduler output and this
    step's attention metadata.
-2. `_update_states`: the scheduler's note for the step (`first_tokens.SchedulerNote`: who
+2. `_update_states`: the scheduler's note for the step (`scheduler_note.SchedulerNote`: who
    waits, the new requests' tenants, prefix-cache resets) reaches the proposer in every step,
    whether or not the proposer runs in it (vLLM skips it near max_model_len), and the proposer
    counts the step, so that it knows when vLLM ran one without asking it for drafts.
@@ -32,13 +32,19 @@ Installed from the proposer's constructor, so only worker processes import the r
 """
 
 from vllm_selfspec.fail_safe import fault_point
-from vllm_selfspec.first_tokens import note_of
+from vllm_selfspec.scheduler_note import note_of
 from vllm_selfspec.vllm_integration.patching import original, patch
 
 
 class HookedProposer:
     """A proposer this hook drives (`vllm_selfspec.proposer.SelfAdmgProposer`): it has
     `propose_for_runner`, `begin_step`, `forget`, `forget_history` and a `fail_safe`."""
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{type(self).__name__} is driven by vllm_selfspec's runner hook; it cannot run as a bare "
+            "custom_class proposer (is the vllm_selfspec plugin loaded in this process?)"
+        )
 
 
 def _ours(runner) -> bool:

@@ -31,8 +31,8 @@ import weakref
 from dataclasses import dataclass
 
 from vllm_selfspec.fail_safe import fault_point
-from vllm_selfspec.first_tokens import SchedulerNote, attach_note, salt_digest
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
+from vllm_selfspec.scheduler_note import SchedulerNote, attach_note, salt_digest
 from vllm_selfspec.vllm_integration.patching import original, patch
 from vllm_selfspec.vllm_integration.scheduler_lookahead import is_self_admg_config
 
