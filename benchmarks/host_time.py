@@ -394,7 +394,7 @@ def plot(summary: list[dict], args) -> None:
 
 
 def environment(args) -> dict:
-    from benchmarks.run import measured_commit
+    from benchmarks.run import cpu_model, measured_commit
 
     return {
         "cpu_model": cpu_model(),
@@ -404,16 +404,6 @@ def environment(args) -> dict:
         "commit": os.environ.get("MEASURED_COMMIT") or measured_commit(),  # (set where no .git travels)
         "arguments": vars(args),
     }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

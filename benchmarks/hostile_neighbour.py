@@ -94,7 +94,10 @@ def beside_long_prompts(server: VllmServer, ordinary: str, args) -> dict[str, fl
     stop, seconds = threading.Event(), []
 
     def send_long_prompts():
-        rng, client = random.Random(len(seconds)), server.client(timeout=600)
+        # Seeded afresh each round and server: a prompt met before would be prefilled from vLLM's
+        # prefix cache, nearly free (a seed that repeated each round made every round's first
+        # prompts the warm-up's).
+        rng, client = random.Random(time.perf_counter_ns()), server.client(timeout=600)
         while not stop.is_set():
             prompt = [rng.randrange(1000, 20000) for _ in range(args.hostile_tokens)]  # no prefix cached
             start = time.perf_counter()

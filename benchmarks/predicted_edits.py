@@ -153,11 +153,16 @@ def edits(count: int, seed: int) -> list[Edit]:
     raise SystemExit(f"--edits {count}: only {len(chosen)} functions found")
 
 
-async def one_answer(client, model: str, edit: Edit, max_tokens: int, predicted: bool, salt: str) -> dict:
-    messages = [
+def chat_messages(edit: Edit) -> list[dict]:
+    """The edit as a chat client sends it: the system prompt, the instruction and the code."""
+    return [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"{edit.instruction}\n\n```python\n{edit.code}```"},
     ]
+
+
+async def one_answer(client, model: str, edit: Edit, max_tokens: int, predicted: bool, salt: str) -> dict:
+    messages = chat_messages(edit)
     extra = {"prediction": {"type": "content", "content": edit.code}} if predicted else {}
     start = time.perf_counter()
     stream = await client.chat.completions.create(

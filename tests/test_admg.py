@@ -142,7 +142,7 @@ def test_parse_rewrites_to_custom_class_and_keeps_vllm_keys():
     }
     assert opts.attention_threshold == 0.9
     spec, _ = parse_speculative_config({"model": "self-admg"}, vllm_keys)
-    assert spec["num_speculative_tokens"] == 4  # the documented default
+    assert spec["num_speculative_tokens"] == 8  # the documented default
 
 
 @pytest.mark.parametrize(

@@ -76,3 +76,30 @@ def test_every_source_file_carries_its_licence_as_vllms_files_do():
         if "# SPDX-License-Identifier: Apache-2.0" not in path.read_text().splitlines()[:3]
     ]
     assert sources and not unlicensed
+
+
+def test_every_kept_result_names_a_commit_this_tree_descends_from():
+    """A kept result folder says which code it measured: each environment.json under
+    benchmarks/results names a commit (`benchmarks.run.measured_commit`), and that commit is an
+    ancestor of HEAD, so that `git checkout` of it reproduces the run's code."""
+    import json
+    import subprocess
+
+    def git(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone holds no history to check the commits against")
+    results = ROOT / "benchmarks" / "results"
+    folders = sorted(p for p in results.iterdir() if p.is_dir())
+    named = {}
+    for folder in folders:
+        environments = sorted(folder.rglob("environment.json"))
+        assert environments, f"{folder.name} has no environment.json naming the commit it was measured on"
+        for path in environments:
+            commit = str(json.loads(path.read_text()).get("commit") or "").split(" ")[0]
+            assert re.fullmatch(r"[0-9a-f]{7,40}", commit), f"{path.relative_to(ROOT)} names no commit"
+            named[path] = commit
+    for path, commit in named.items():
+        ancestor = git("merge-base", "--is-ancestor", commit, "HEAD")
+        assert ancestor.returncode == 0, f"{path.relative_to(ROOT)}: {commit} is not an ancestor of HEAD"

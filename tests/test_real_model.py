@@ -10,7 +10,7 @@ from vllm import SamplingParams
 
 from benchmarks import assets
 
-from conftest import SELF_DRAFTS_ONLY, close_llm, make_llm, spec_counters, token_ids
+from conftest import SELF_DRAFTS_ONLY, close_llm, make_llm, pin_step_costs, spec_counters, token_ids
 
 pytestmark = [pytest.mark.engine, pytest.mark.real_model]
 
@@ -85,3 +85,42 @@ def test_bfloat16_divergences_are_near_ties(smollm2, humaneval):
     # A divergence caused by rounding happens where plain decoding itself hesitated: its two
     # candidates' logprobs within 0.5, a few bfloat16 steps at these logit sizes (0.125-0.5).
     assert all(margin <= 0.5 for _, margin in divergences.values()), divergences
+
+
+# The drafting-quality guard. Recorded on this code (SmolLM2-135M, float32, the step costs
+# pinned below): what these requests accepted, one at a time. A change that drafts worse lowers
+# them; the floors leave QUALITY_MARGIN for float32 differences between machines, so that a drop
+# of a tenth fails. Record anew (and say why in the commit) when a change means to move them:
+# the test prints what it measured.
+QUALITY_PROMPTS, QUALITY_TOKENS, QUALITY_WARM_UP = 6, 64, 40  # HumanEval 0-5; 40 is held out
+QUALITY_MARGIN = 0.05
+RECORDED_QUALITY = {
+    # options: (accepted draft tokens, mean acceptance length), recorded 2026-11-28 (K = 8)
+    "default": (156, 2.529),
+    "lookup_history_unsalted": (172, 2.398),
+}
+
+
+@pytest.mark.parametrize("options", list(RECORDED_QUALITY))
+def test_drafting_quality_holds_its_recorded_floor(smollm2, options):
+    prompts = assets.load_prompts("humaneval", limit=QUALITY_WARM_UP + 1)
+    extra = {} if options == "default" else {options: True}
+    llm = make_llm(smollm2, max_model_len=1024, speculative_config={"method": "self-admg", **extra})
+    try:
+        # A GPU-like controller: a step of 40 ms, verification cheap, self-drafting dear.
+        pin_step_costs(llm, t0=0.04, t_row=0.002, t_verify=0.002, self_step=0.05)
+        params = SamplingParams(temperature=0, max_tokens=QUALITY_TOKENS, ignore_eos=True)
+        llm.generate([prompts[QUALITY_WARM_UP]], params, use_tqdm=False)
+        before = spec_counters(llm)
+        for prompt in prompts[:QUALITY_PROMPTS]:  # one request at a time
+            llm.generate([prompt], params, use_tqdm=False)
+        after = spec_counters(llm)
+    finally:
+        close_llm(llm)
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    drafts = after["num_drafts"] - before["num_drafts"]
+    mean_length = 1 + accepted / max(drafts, 1)
+    print(f"\ndrafting quality, {options}: {accepted:.0f} accepted, mean acceptance length {mean_length:.3f}")
+    recorded_accepted, recorded_length = RECORDED_QUALITY[options]
+    assert accepted >= (1 - QUALITY_MARGIN) * recorded_accepted
+    assert mean_length >= (1 - QUALITY_MARGIN) * recorded_length
