@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, CLOSED_BATCHES_KEY, PROPOSER_PATH, SelfAdmgConfigError
+from vllm_selfspec.options import (
+    ADDITIONAL_CONFIG_KEY,
+    CLOSED_BATCHES_KEY,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    PROPOSER_PATH,
+    SelfAdmgConfigError,
+)
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 
@@ -44,10 +50,10 @@ def assert_self_admg(config, k):
     "argv, k",
     [
         (["--speculative-config", '{"method": "self-admg", "num_speculative_tokens": 3}'], 3),
-        (["-sc", '{"model": "self-admg"}'], 4),
+        (["-sc", '{"model": "self-admg"}'], DEFAULT_NUM_SPECULATIVE_TOKENS),
         (["--spec-method", "self-admg", "--spec-tokens", "2"], 2),
         (["--speculative-model", "self-admg", "--num-speculative-tokens", "5"], 5),
-        (["--speculative-model", "self-admg"], 4),
+        (["--speculative-model", "self-admg"], DEFAULT_NUM_SPECULATIVE_TOKENS),
     ],
 )
 def test_cli_spellings(tiny_model_path, argv, k):

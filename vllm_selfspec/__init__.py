@@ -4,7 +4,7 @@
 
 Install it next to vLLM 0.32 and ask for the method by name:
 
-    LLM(model=..., speculative_config={"method": "self-admg", "num_speculative_tokens": 4})
+    LLM(model=..., speculative_config={"method": "self-admg"})  # K = 8 draft tokens at most, by default
     vllm serve MODEL --speculative-config '{"method": "self-admg"}'
 
 vLLM loads the plugin by itself (entry point `vllm.general_plugins`, `plugin.register`); the

@@ -65,9 +65,10 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         self._device = next(target_model.parameters()).device
 
     def begin_step(self, note: SchedulerNote, live_requests) -> None:
-        """The runner began a step, whether or not vLLM asks for drafts in it."""
-        self.pipeline.begin_step(note, live_requests)
+        """The runner began a step, whether or not vLLM asks for drafts in it (the scheduler's
+        faults are counted first: the pipeline's part may fault)."""
         self.scheduler_faults = max(self.scheduler_faults, note.scheduler_faults)
+        self.pipeline.begin_step(note, live_requests)
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids, common_attn_metadata) -> list[list[int]]:
         """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
