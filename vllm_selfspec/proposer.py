@@ -65,8 +65,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         self._device = next(target_model.parameters()).device
 
     def begin_step(self, note: SchedulerNote, live_requests) -> None:
-        """The runner began a step, whether or not vLLM asks for drafts in it (the scheduler's
-        faults are counted first: the pipeline's part may fault)."""
+        """A step began (the scheduler's faults counted first: the pipeline's part may fault)."""
         self.scheduler_faults = max(self.scheduler_faults, note.scheduler_faults)
         self.pipeline.begin_step(note, live_requests)
 
