@@ -160,16 +160,19 @@ class RowProtection:
             return None
         return next((i for i, allowed in enumerate(self.allowances) if added > allowed), None)
 
+    def allowance_without(self, i: int, gain: float) -> float:
+        """How much longer than plain's the step may be for row i once it gives back its
+        deepest draft token (worth `gain`), before the step sheds that token's seconds."""
+        return (
+            self.allowances[i]
+            - self.t_plain * gain * self.trusted[i] / (1 - ROW_SLACK)
+            - self.t_verify * (self.drafted[i] == 1)
+        )
+
     def due_without(self, rows: list[int], gains: list[float], added: float) -> bool:
         """Whether these rows, each giving back a draft token (and the step its seconds), would
         still be left their due by a step `added` seconds longer than plain's, before it."""
-        return all(
-            self.allowance(i)
-            - self.t_plain * gain * self.trusted[i] / (1 - ROW_SLACK)
-            - self.t_verify * (self.drafted[i] == 1)
-            >= added
-            for i, gain in zip(rows, gains)
-        )
+        return all(self.allowance_without(i, gain) >= added for i, gain in zip(rows, gains))
 
     def take(self, rows: list[int], seconds_each: float, gains: list[float], sign: int = 1) -> None:
         """Rows take one more draft token each (`sign` -1: give it back)."""
@@ -514,10 +517,7 @@ class GiveBack:
         p = self.protection
         gained = self.taken[self.positions[rows][-1]][4]
         allowed = min(p.allowances[i] for i in rows)
-        due = min(
-            p.allowances[i] - p.t_plain * gain * p.trusted[i] / (1 - ROW_SLACK) - p.t_verify * (p.drafted[i] == 1)
-            for i, gain in zip(rows, gained)
-        )
+        due = min(p.allowance_without(i, gain) for i, gain in zip(rows, gained))
         for waiting, threshold in zip(self.waiting, (due, allowed)):
             heapq.heappush(waiting, (-threshold, self.version[rows], rows))
 
