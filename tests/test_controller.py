@@ -3,6 +3,7 @@
 """The draft controller and lookup drafts: pure functions, no engine."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -1245,6 +1246,58 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
     assert run_step(verified=2) == settled  # cut short
     assert run_step(verified=4, made=False) == settled  # not made (a fault, or the ranks disagreed)
     assert run_step(verified=4) > settled
+
+
+def test_the_compiled_lookup_plan_is_the_plan_python_makes():
+    """The compiled kernel (`control.lookup_plan`) against the planner's token-by-token Python
+    path, on random batches: gains tied across rows and depths, rows trusted or not, ahead or
+    behind, with and without the per-row rule and a step-length cap. The same lengths, tokens
+    and seconds to the last bit; and the batches make it greedy, lift and give back."""
+    import itertools
+    import random
+
+    from vllm_selfspec.control.planner import RowDue
+
+    rng = random.Random(11)
+    planner = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.9, self_rate=0.9).planner
+    compared = drafted = given_back = 0
+    for _ in range(4000):
+        offers = [RowOffer(f"r{i}", lookup_tokens=rng.choice([0, 1, 2, 4, 8])) for i in range(rng.randint(1, 40))]
+        cost = [rng.choice([0.001, 0.002, rng.uniform(0.0005, 0.01)]) for _ in offers]
+        gains = [
+            list(
+                itertools.accumulate(
+                    [rng.choice([0.5, 0.9, rng.uniform(0.3, 0.999)])] * o.lookup_tokens, lambda g, a: g * a
+                )
+            )
+            for o in offers
+        ]
+        t_plain, t_verify = rng.uniform(0.01, 0.06) + sum(cost), rng.choice([0.0, 0.004])
+        due = RowDue(
+            t_plain,
+            t_verify,
+            trusted=[rng.random() < 0.7 for _ in offers],
+            ahead=[rng.choice([-0.002, 0.0, 0.002, 0.004, 0.02]) for _ in offers],
+        )
+        protected = due if rng.random() < 0.8 else None
+        max_seconds = rng.choice([math.inf, (t_plain + t_verify) * 1.05])
+        start = (float(len(offers)), t_plain + t_verify)
+        made = []
+        for compiled in (True, False):
+            planner.compiled_lookup_plan = compiled
+            choice = planner._greedy(offers, gains, cost, start, max_seconds=max_seconds, protected=protected)
+            made.append((choice.lookup_lengths, choice.tokens, choice.seconds, choice.self_length))
+        planner.compiled_lookup_plan = True
+        assert made[0] == made[1], (offers, gains, cost, due, protected is not None, max_seconds)
+        compared += 1
+        drafted += sum(made[0][0]) > 0
+        # (a plan held to the rule that keeps fewer tokens than the greedy alone took gave some back)
+        if protected is not None:
+            planner.compiled_lookup_plan = False
+            greedy_alone = planner._greedy(offers, gains, cost, start, max_seconds=max_seconds)
+            planner.compiled_lookup_plan = True
+            given_back += sum(greedy_alone.lookup_lengths) > sum(made[0][0]) > 0
+    assert compared == 4000 and drafted > 1000 and given_back > 100, (drafted, given_back)
 
 
 def test_the_indexed_give_back_gives_back_what_a_scan_would():

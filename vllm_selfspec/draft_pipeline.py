@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_selfspec.control import DraftController, DraftPlan, RowOffer
+from vllm_selfspec.control.lookup_plan import warm_up as warm_up_lookup_plan
 from vllm_selfspec.counters import PartClock, ProposerCounters
 from vllm_selfspec.fail_safe import FailSafe, fault_point
 from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens
@@ -48,7 +49,9 @@ class DraftPipeline:
         self.look_up = True  # the ranks' agreed decision, for the next step
         self.request_facts: dict = {}  # per live request (`runner_state.RequestFacts`)
         self.prefix_cache_resets = 0  # as the scheduler's note last counted them
-        if options.lookup:  # (compiled now, at the engine's start, not in its first request's step)
+        # (compiled now, at the engine's start, not in its first request's step)
+        fail_safe.attempt(warm_up_lookup_plan)
+        if options.lookup:
             fail_safe.attempt(warm_up_lookup)
 
     def begin_step(self, note: SchedulerNote, live_requests) -> None:

@@ -29,9 +29,9 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
+from vllm_selfspec.compiled import compiled
 from vllm_selfspec.control.acceptance import DraftSource
 from vllm_selfspec.scheduler_note import salt_digest
 
@@ -69,15 +69,6 @@ def suffix_draft(
     return LookupDraft(tokens, tuple(probs.tolist()), match) if len(tokens) else NO_DRAFT
 
 
-def _compiled(function):
-    """`function` compiled by numba, cached on disk where numba finds a writable place (else
-    compiled again at each engine start, rather than failing the import)."""
-    try:
-        return numba.njit(cache=True)(function)
-    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return numba.njit(function)
-
-
 # Bounds on one lookup's work, whatever the context or history. A context of one repeated token
 # has an occurrence of its last token at every position, and following all of them costs time
 # that grows with the context, on every step of every request in the batch. Ordinary contexts
@@ -88,7 +79,7 @@ MAX_OCCURRENCES_SCANNED = 4096  # the most recent occurrences of the last token 
 MAX_OCCURRENCES_FOLLOWED = 256  # of those, the longest matches (most recent among equals) followed
 
 
-@_compiled
+@compiled
 def _recent_occurrences(corpus, limit, token, cap):
     """Positions before `limit` holding `token`, the most recent `cap` of them, in corpus order."""
     found = np.empty(min(cap, limit), dtype=np.int64)
@@ -102,7 +93,7 @@ def _recent_occurrences(corpus, limit, token, cap):
     return found[:count][::-1].copy()
 
 
-@_compiled
+@compiled
 def _longest_matches(ends, lengths, cap):
     """The `cap` occurrences with the longest matches (the most recent among equals), in corpus order."""
     # Most recent first, then a stable sort by length, longest first.
@@ -115,7 +106,7 @@ def _longest_matches(ends, lengths, cap):
 # Every lookup runs on the step's critical path, for every row, over up to the whole history:
 # compiled, a history lookup costs a fraction of what the same rule costs in numpy calls. The
 # loops below are the rule in the module docstring, step by step.
-@_compiled
+@compiled
 def _suffix_draft(context, corpus, max_tokens, max_match, min_prob):
     """(draft tokens, their probabilities, match length) of `suffix_draft`; `corpus` may be
     `context` itself."""

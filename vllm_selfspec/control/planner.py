@@ -18,8 +18,11 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, token_bins
 from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
+from vllm_selfspec.control.lookup_plan import NO_DUE, greedy_lookup_plan
 from vllm_selfspec.control.row_ledger import PlannedStep, RowLedger
 from vllm_selfspec.control.step_costs import StepCostModel
 
@@ -190,6 +193,9 @@ class DraftPlanner:
     retries: Backoff = field(default_factory=Backoff)  # of self-drafts, while none is made
     protect_rows: bool = True  # the per-row rule; False: the batch's throughput (objective)
     ledger: RowLedger = field(default_factory=lambda: RowLedger(ROW_SLACK))
+    # Plans of lookup drafts alone by the compiled kernel (`lookup_plan`); False: token by token
+    # in Python, as plans with self-drafts are made (the kernel's reference, in the tests).
+    compiled_lookup_plan: bool = True
 
     def plan(
         self, offers: list[RowOffer], self_budget: int, draining: bool = False, prompts_waiting: bool = False
@@ -326,6 +332,8 @@ class DraftPlanner:
         by the margin, the step stays within `max_seconds`, and (`protected`) every row keeps its
         due (`RowProtection`). A token that does not fit is left, with the deeper tokens of its
         row."""
+        if not self_rows and self.compiled_lookup_plan:
+            return compiled_lookup_choice(offers, gains, cost, start, max_seconds, protected)
         tokens, seconds = start
         protection = RowProtection(protected) if protected else None
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
@@ -371,6 +379,39 @@ class DraftPlanner:
             choice.self_rows = set()
         choice.tokens, choice.seconds = tokens, seconds
         return choice
+
+
+def compiled_lookup_choice(offers, gains, cost, start, max_seconds, protected: RowDue | None) -> Choice:
+    """`DraftPlanner._greedy` without self-drafts, by the compiled kernel over the batch's arrays."""
+    depth = max((o.lookup_tokens for o in offers), default=0)
+    gain_table = np.zeros((len(offers), max(depth, 1)))
+    for i, row_gains in enumerate(gains):
+        gain_table[i, : len(row_gains)] = row_gains
+    offered = np.fromiter((o.lookup_tokens for o in offers), dtype=np.int64, count=len(offers))
+    due = (
+        (
+            protected.t_plain,
+            protected.t_verify,
+            ROW_SLACK,
+            np.array(protected.trusted, float),
+            np.array(protected.ahead, float),
+        )
+        if protected
+        else NO_DUE
+    )
+    # (floats throughout: the one signature compiled at the engine's start, `lookup_plan.warm_up`)
+    lengths, tokens, seconds = greedy_lookup_plan(
+        gain_table,
+        offered,
+        np.array(cost, float),
+        float(start[0]),
+        float(start[1]),
+        float(max_seconds),
+        DRAFT_MARGIN,
+        protected is not None,
+        due,
+    )
+    return Choice(lengths.tolist(), tokens=float(tokens), seconds=float(seconds))
 
 
 def self_token_seconds(costs: StepCostModel, cost, self_rows) -> float:

@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""The planner's greedy plan of lookup drafts, held to the per-row rule, as one compiled kernel
+over the batch's arrays (rows x K): the same plan `DraftPlanner._greedy` makes token by token
+in Python, which it still makes for plans with self-drafts (their tokens span rows).
+
+At 64 rows with predictions the greedy takes hundreds of tokens a step and the per-row rule
+gives most of them back, a few Python calls each; compiled, the whole plan costs less than
+building its arrays. The arithmetic is the Python path's, operation for operation, so that the
+two make the same plans to the last bit (tests/test_controller.py compares them):
+
+1. greedy: every lookup token, best gain per second first (ties: lower row, then shallower),
+   while it beats the rate of the tokens taken so far by DRAFT_MARGIN; a token that would make
+   the step longer than `max_seconds` is left, with its row's deeper tokens;
+2. lift (`planner.keep_every_row_due`): each trusted row the step leaves short of its due
+   lengthens its own draft while its tokens pay at plain decoding's rate;
+3. give back, while some row is left short: the least paying deepest token of a row left its
+   due without it, else of a row that does not bind, else the least paying (`planner.GiveBack`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_selfspec.compiled import compiled
+
+# The per-row rule's arguments when the plan is held to the batch's throughput instead.
+NO_DUE = (0.0, 0.0, 0.0, np.zeros(0), np.zeros(0))
+
+
+def warm_up() -> None:
+    """Compile the kernel (or load it from numba's cache) at the engine's start, not in its
+    first request's step."""
+    gains, offered, cost = np.full((2, 1), 0.5), np.ones(2, dtype=np.int64), np.full(2, 1e-3)
+    due = (0.01, 1e-3, 0.02, np.ones(2), np.zeros(2))
+    greedy_lookup_plan(gains, offered, cost, 2.0, 0.01, np.inf, 0.2, True, due)
+
+
+@compiled
+def _allowance(t_plain, t_verify, row_slack, credited, ahead, own, drafted):
+    """`RowProtection._allowance`: how much longer than plain's the step may be for a row."""
+    extra = t_plain * ((1 + credited) / (1 - row_slack) - 1) + ahead
+    return extra + (own + t_verify if drafted else 0.0)
+
+
+@compiled
+def greedy_lookup_plan(gains, lengths_offered, cost, start_tokens, start_seconds, max_seconds, margin, protection, due):
+    """(lookup lengths per row, the plan's expected tokens, its seconds).
+    gains: (rows, K) expected tokens from each depth; lengths_offered: tokens offered per row;
+    cost: seconds per token per row; protection: False for the batch's throughput (no per-row
+    rule); due: (t_plain, t_verify, row_slack, trusted per row as 0/1, ahead per row)."""
+    rows = len(cost)
+    lengths = np.zeros(rows, dtype=np.int64)
+    tokens, seconds = start_tokens, start_seconds
+    # Every offered token, (row, depth) in order, then best gain per second first, stably.
+    offered = int(lengths_offered.sum())
+    token_row = np.empty(offered, dtype=np.int64)
+    token_depth = np.empty(offered, dtype=np.int64)
+    ratio = np.empty(offered, dtype=np.float64)
+    n = 0
+    for i in range(rows):
+        for d in range(lengths_offered[i]):
+            token_row[n], token_depth[n], ratio[n] = i, d, gains[i, d] / cost[i]
+            n += 1
+    order = np.argsort(-ratio, kind="mergesort")
+    left_out = np.zeros(rows, dtype=np.bool_)
+    # (lifting takes only offered tokens the greedy left: at most `offered` in all)
+    taken_row = np.empty(offered, dtype=np.int64)
+    taken_ratio = np.empty(offered, dtype=np.float64)
+    taken_gain = np.empty(offered, dtype=np.float64)
+    taken = 0
+    for k in order:
+        i, d = token_row[k], token_depth[k]
+        if left_out[i]:
+            continue
+        if not ratio[k] > (1 + margin) * (tokens / seconds):
+            break
+        if seconds + cost[i] > max_seconds:
+            left_out[i] = True
+            continue
+        lengths[i] = d + 1
+        taken_row[taken], taken_ratio[taken], taken_gain[taken] = i, ratio[k], gains[i, d]
+        taken += 1
+        tokens, seconds = tokens + gains[i, d], seconds + cost[i]
+    if not protection:
+        return lengths, tokens, seconds
+    t_plain, t_verify, row_slack, trusted, ahead = due
+    plain_rate = start_tokens / start_seconds
+    drafted = np.zeros(rows, dtype=np.int64)
+    own = np.zeros(rows, dtype=np.float64)
+    credited = np.zeros(rows, dtype=np.float64)
+    allowances = np.empty(rows, dtype=np.float64)
+    for i in range(rows):
+        allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
+    for j in range(taken):
+        i = taken_row[j]
+        drafted[i] += 1
+        own[i] += cost[i]
+        credited[i] += taken_gain[j] * trusted[i]
+        allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
+    # 2. Lift: the rows short of their due when a pass starts, lowest first.
+    lifting = True
+    binding = np.zeros(rows, dtype=np.bool_)
+    while lifting:
+        lifting = False
+        added = seconds - t_plain
+        for i in range(rows):
+            binding[i] = added > allowances[i]
+        for i in range(rows):
+            if not binding[i] or not trusted[i]:
+                continue
+            d = lengths[i]
+            fits = d < lengths_offered[i] and seconds + cost[i] <= max_seconds
+            if fits and gains[i, d] / cost[i] > plain_rate:
+                lengths[i] += 1
+                taken_row[taken], taken_ratio[taken], taken_gain[taken] = i, gains[i, d] / cost[i], gains[i, d]
+                taken += 1
+                drafted[i] += 1
+                own[i] += cost[i]
+                credited[i] += gains[i, d] * trusted[i]
+                allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
+                tokens, seconds, lifting = tokens + gains[i, d], seconds + cost[i], True
+    # 3. Give back. Sorted by gain per second, best first (stably: a row's deeper tokens stay
+    # after its others), a row's deepest token is its last place in `ranked` not given back.
+    ranked = np.argsort(-taken_ratio[:taken], kind="mergesort")
+    places = np.empty((rows, gains.shape[1]), dtype=np.int64)
+    depth_seen = np.zeros(rows, dtype=np.int64)
+    for place in range(taken):
+        i = taken_row[ranked[place]]
+        places[i, depth_seen[i]] = place
+        depth_seen[i] += 1
+    given = np.zeros(taken, dtype=np.bool_)
+    last, left = taken - 1, taken
+    while left:
+        added = seconds - t_plain
+        short = False
+        for i in range(rows):
+            if added > allowances[i]:
+                short = True
+                break
+        if not short:
+            break
+        due_place, free_place = -1, -1
+        for i in range(rows):
+            if drafted[i] == 0 or added > allowances[i]:
+                continue
+            place = places[i, drafted[i] - 1]
+            gain = taken_gain[ranked[place]]
+            without = allowances[i] - t_plain * gain * trusted[i] / (1 - row_slack) - t_verify * (drafted[i] == 1)
+            if without >= added:
+                due_place = max(due_place, place)
+            else:
+                free_place = max(free_place, place)
+        place = due_place if due_place >= 0 else (free_place if free_place >= 0 else last)
+        i, gain = taken_row[ranked[place]], taken_gain[ranked[place]]
+        given[place] = True
+        left -= 1
+        while last >= 0 and given[last]:
+            last -= 1
+        lengths[i] -= 1
+        drafted[i] -= 1
+        own[i] += -1 * cost[i]
+        credited[i] += -1 * gain * trusted[i]
+        allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
+        tokens, seconds = tokens - gain, seconds - cost[i]
+    return lengths, tokens, seconds
