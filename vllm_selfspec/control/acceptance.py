@@ -236,10 +236,17 @@ class AcceptanceModel:
         source = DraftSource(offer.lookup_source)
         request = self.lookup_rate(offer.req_id, source) / self.rate(source)
         gains, gain, by_bin = [], 1.0, self._by_bin
-        for token_bin, prior in self._bins_and_priors(offer):
-            rate = by_bin[token_bin].rate if token_bin in by_bin else prior
-            gain *= min(rate * request, 0.999)
-            gains.append(gain)
+        if offer.lookup_tokens and not offer.lookup_probs:  # (every token in one bin, at one rate: a prediction's)
+            token_bin, prior = offer.lookup_bins[0], self.rate(source)
+            each = min((by_bin[token_bin].rate if token_bin in by_bin else prior) * request, 0.999)
+            for _ in range(offer.lookup_tokens):
+                gain *= each
+                gains.append(gain)
+        else:
+            for token_bin, prior in self._bins_and_priors(offer):
+                rate = by_bin[token_bin].rate if token_bin in by_bin else prior
+                gain *= min(rate * request, 0.999)
+                gains.append(gain)
         return self.scaled(source, gains) if scaled else gains
 
     def scaled(self, source: str, estimates: list[float]) -> list[float]:

@@ -51,25 +51,75 @@ def greedy_lookup_plan(gains, lengths_offered, cost, start_tokens, start_seconds
     rule); due: (t_plain, t_verify, row_slack, trusted per row as 0/1, ahead per row)."""
     rows = len(cost)
     lengths = np.zeros(rows, dtype=np.int64)
-    tokens, seconds = start_tokens, start_seconds
-    # Every offered token, (row, depth) in order, then best gain per second first, stably.
+    # The tokens taken, in the order taken: row, gain per second, gain (lifting takes only
+    # offered tokens the greedy left: at most all offered in all).
     offered = int(lengths_offered.sum())
-    token_row = np.empty(offered, dtype=np.int64)
-    token_depth = np.empty(offered, dtype=np.int64)
-    ratio = np.empty(offered, dtype=np.float64)
+    taken_row, taken_ratio, taken_gain = np.empty(offered, np.int64), np.empty(offered), np.empty(offered)
+    taken, tokens, seconds = _greedy(
+        gains,
+        lengths_offered,
+        cost,
+        (start_tokens, start_seconds, max_seconds, margin),
+        lengths,
+        taken_row,
+        taken_ratio,
+        taken_gain,
+    )
+    if not protection:
+        return lengths, tokens, seconds
+    t_plain, t_verify, row_slack, trusted, ahead = due
+    drafted, own, credited = np.zeros(rows, np.int64), np.zeros(rows), np.zeros(rows)
+    allowances = np.empty(rows)
+    for i in range(rows):
+        allowances[i] = _allowance(t_plain, t_verify, row_slack, 0.0, ahead[i], 0.0, 0)
+    for j in range(taken):
+        _take(taken_row[j], cost[taken_row[j]], taken_gain[j], 1, due, drafted, own, credited, allowances)
+    taken, tokens, seconds = _lift(
+        gains,
+        lengths_offered,
+        cost,
+        (start_tokens / start_seconds, max_seconds),
+        due,
+        lengths,
+        (taken_row, taken_ratio, taken_gain),
+        taken,
+        tokens,
+        seconds,
+        (drafted, own, credited, allowances),
+    )
+    tokens, seconds = _give_back(
+        cost,
+        gains.shape[1],
+        due,
+        lengths,
+        (taken_row, taken_ratio, taken_gain),
+        taken,
+        tokens,
+        seconds,
+        (drafted, own, credited, allowances),
+    )
+    return lengths, tokens, seconds
+
+
+@compiled
+def _greedy(gains, lengths_offered, cost, limits, lengths, taken_row, taken_ratio, taken_gain):
+    """1. Every offered token, best gain per second first (stably over (row, depth) order),
+    while it beats the rate so far by the margin; (tokens taken, expected tokens, seconds)."""
+    tokens, seconds, max_seconds, margin = limits
+    rows = len(cost)
+    token_row, token_depth, ratio = (
+        np.empty(len(taken_row), np.int64),
+        np.empty(len(taken_row), np.int64),
+        np.empty(len(taken_row)),
+    )
     n = 0
     for i in range(rows):
         for d in range(lengths_offered[i]):
             token_row[n], token_depth[n], ratio[n] = i, d, gains[i, d] / cost[i]
             n += 1
-    order = np.argsort(-ratio, kind="mergesort")
     left_out = np.zeros(rows, dtype=np.bool_)
-    # (lifting takes only offered tokens the greedy left: at most `offered` in all)
-    taken_row = np.empty(offered, dtype=np.int64)
-    taken_ratio = np.empty(offered, dtype=np.float64)
-    taken_gain = np.empty(offered, dtype=np.float64)
     taken = 0
-    for k in order:
+    for k in np.argsort(-ratio, kind="mergesort"):
         i, d = token_row[k], token_depth[k]
         if left_out[i]:
             continue
@@ -82,30 +132,34 @@ def greedy_lookup_plan(gains, lengths_offered, cost, start_tokens, start_seconds
         taken_row[taken], taken_ratio[taken], taken_gain[taken] = i, ratio[k], gains[i, d]
         taken += 1
         tokens, seconds = tokens + gains[i, d], seconds + cost[i]
-    if not protection:
-        return lengths, tokens, seconds
+    return taken, tokens, seconds
+
+
+@compiled
+def _take(i, seconds_each, gain, sign, due, drafted, own, credited, allowances):
+    """`RowProtection.take` for one row's token (`sign` -1: give it back)."""
     t_plain, t_verify, row_slack, trusted, ahead = due
-    plain_rate = start_tokens / start_seconds
-    drafted = np.zeros(rows, dtype=np.int64)
-    own = np.zeros(rows, dtype=np.float64)
-    credited = np.zeros(rows, dtype=np.float64)
-    allowances = np.empty(rows, dtype=np.float64)
-    for i in range(rows):
-        allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
-    for j in range(taken):
-        i = taken_row[j]
-        drafted[i] += 1
-        own[i] += cost[i]
-        credited[i] += taken_gain[j] * trusted[i]
-        allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
-    # 2. Lift: the rows short of their due when a pass starts, lowest first.
-    lifting = True
+    drafted[i] += sign
+    own[i] += sign * seconds_each
+    credited[i] += sign * gain * trusted[i]
+    allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
+
+
+@compiled
+def _lift(gains, lengths_offered, cost, limits, due, lengths, taken_tokens, taken, tokens, seconds, rule):
+    """2. Each trusted row short of its due when a pass starts, lowest first, lengthens its
+    draft while its tokens pay at plain decoding's rate; (tokens taken, tokens, seconds)."""
+    plain_rate, max_seconds = limits
+    t_plain, trusted = due[0], due[3]
+    taken_row, taken_ratio, taken_gain = taken_tokens
+    drafted, own, credited, allowances = rule
+    rows = len(cost)
     binding = np.zeros(rows, dtype=np.bool_)
+    lifting = True
     while lifting:
         lifting = False
-        added = seconds - t_plain
         for i in range(rows):
-            binding[i] = added > allowances[i]
+            binding[i] = seconds - t_plain > allowances[i]
         for i in range(rows):
             if not binding[i] or not trusted[i]:
                 continue
@@ -115,30 +169,33 @@ def greedy_lookup_plan(gains, lengths_offered, cost, start_tokens, start_seconds
                 lengths[i] += 1
                 taken_row[taken], taken_ratio[taken], taken_gain[taken] = i, gains[i, d] / cost[i], gains[i, d]
                 taken += 1
-                drafted[i] += 1
-                own[i] += cost[i]
-                credited[i] += gains[i, d] * trusted[i]
-                allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
+                _take(i, cost[i], gains[i, d], 1, due, drafted, own, credited, allowances)
                 tokens, seconds, lifting = tokens + gains[i, d], seconds + cost[i], True
-    # 3. Give back. Sorted by gain per second, best first (stably: a row's deeper tokens stay
-    # after its others), a row's deepest token is its last place in `ranked` not given back.
+    return taken, tokens, seconds
+
+
+@compiled
+def _give_back(cost, depth, due, lengths, taken_tokens, taken, tokens, seconds, rule):
+    """3. While some row is short of its due, give back the least paying deepest token of a row
+    left its due without it, else of a row that does not bind, else the least paying;
+    (tokens, seconds). Ranked by gain per second, best first (stably: a row's deeper tokens
+    stay after its others), a row's deepest token is its last place not given back."""
+    t_plain, t_verify, row_slack, trusted = due[0], due[1], due[2], due[3]
+    taken_row, taken_ratio, taken_gain = taken_tokens
+    drafted, own, credited, allowances = rule
+    rows = len(cost)
     ranked = np.argsort(-taken_ratio[:taken], kind="mergesort")
-    places = np.empty((rows, gains.shape[1]), dtype=np.int64)
-    depth_seen = np.zeros(rows, dtype=np.int64)
+    places = np.empty((rows, depth), dtype=np.int64)  # (a row's tokens: at most K)
+    counted = np.zeros(rows, dtype=np.int64)
     for place in range(taken):
         i = taken_row[ranked[place]]
-        places[i, depth_seen[i]] = place
-        depth_seen[i] += 1
+        places[i, counted[i]] = place
+        counted[i] += 1
     given = np.zeros(taken, dtype=np.bool_)
-    last, left = taken - 1, taken
-    while left:
+    last = taken - 1
+    while last >= 0:
         added = seconds - t_plain
-        short = False
-        for i in range(rows):
-            if added > allowances[i]:
-                short = True
-                break
-        if not short:
+        if not (allowances < added).any():
             break
         due_place, free_place = -1, -1
         for i in range(rows):
@@ -154,13 +211,9 @@ def greedy_lookup_plan(gains, lengths_offered, cost, start_tokens, start_seconds
         place = due_place if due_place >= 0 else (free_place if free_place >= 0 else last)
         i, gain = taken_row[ranked[place]], taken_gain[ranked[place]]
         given[place] = True
-        left -= 1
         while last >= 0 and given[last]:
             last -= 1
         lengths[i] -= 1
-        drafted[i] -= 1
-        own[i] += -1 * cost[i]
-        credited[i] += -1 * gain * trusted[i]
-        allowances[i] = _allowance(t_plain, t_verify, row_slack, credited[i], ahead[i], own[i], drafted[i])
+        _take(i, cost[i], gain, -1, due, drafted, own, credited, allowances)
         tokens, seconds = tokens - gain, seconds - cost[i]
-    return lengths, tokens, seconds
+    return tokens, seconds
