@@ -33,14 +33,14 @@ COSTS = {
 BATCHES = (1, 8, 64)
 
 # Self-draft acceptance measured here: teacher-forced greedy agreement by share of layer bytes skipped,
-# Qwen2.5-Coder-1.5B, HumanEval (benchmarks/results/selection-quality-qwen), the better of ADMG and static.
+# Qwen2.5-Coder-1.5B, HumanEval (selection-quality-qwen, in git at f82f2b0), the better of ADMG and static.
 MEASURED_CURVE = [(0.032, 0.969), (0.063, 0.917), (0.126, 0.875), (0.221, 0.766), (0.315, 0.552)]
 # 8B and larger: none measured here. A band around what self-speculative papers report for 13B-70B models
 # with 37-49% of the layers' bytes skipped (docs/gpu.md gives the sources and what was verified).
 PUBLISHED_BAND = (0.80, 0.85, 0.90)  # at half of the sublayers skipped, where the costs were measured
 
 # Lookup drafts, greedy: (mean acceptance length per drafting step, draft tokens per drafting step).
-# Code and summarization: Qwen2.5-Coder-1.5B at batch 1 on HumanEval and news (batch1-2026-11-23).
+# Code and summarization: Qwen2.5-Coder-1.5B at batch 1 on HumanEval and news (batch1-2026-11-23, in git at f82f2b0).
 # Chat: SmolLM2-135M served at light load (serving-refills, serving-quick: 1.71-2.31, median about 1.9);
 # its draft tokens per step were not recorded, so 2 is assumed, as on news.
 LOOKUP = {"code": (1.686, 1.505), "summarization": (2.198, 2.033), "chat": (1.9, 2.0)}
