@@ -1252,7 +1252,7 @@ def test_the_compiled_lookup_plan_is_the_plan_python_makes():
     """The compiled kernel (`control.lookup_plan`) against the planner's token-by-token Python
     path, on random batches: gains tied across rows and depths, rows trusted or not, ahead or
     behind, with and without the per-row rule and a step-length cap. The same lengths, tokens
-    and seconds to the last bit; and the batches make it greedy, lift and give back."""
+    and seconds to the last bit; and the batches draft, and make the per-row rule give back."""
     import itertools
     import random
 

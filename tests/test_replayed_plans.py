@@ -57,6 +57,17 @@ def test_plans_replay_as_recorded(recorded, workload, batch):
         assert now == then, f"{workload}, {batch} rows: step {step} planned differently"
 
 
+def test_the_plan_kernel_compiles_once():
+    """Every plan calls the compiled kernel with the types its warm-up compiled at the engine's
+    start: a second signature would be compiled in the middle of a serving step."""
+    from vllm_selfspec.control.lookup_plan import greedy_lookup_plan, warm_up
+
+    warm_up()
+    for workload in ("lookup", "prediction"):
+        replay(workload, 8)
+    assert len(greedy_lookup_plan.signatures) == 1, greedy_lookup_plan.signatures
+
+
 def test_the_recording_drafts():
     """The replay is worth something only if its steps plan drafts of every kind it covers."""
     recorded = json.loads(RECORDED.read_text())

@@ -9,6 +9,9 @@ gives most of them back, a few Python calls each; compiled, the whole plan costs
 building its arrays. The arithmetic is the Python path's, operation for operation, so that the
 two make the same plans to the last bit (tests/test_controller.py compares them):
 
+Like the Python path, it takes a row's gains as never rising with depth (`AcceptanceModel.lookup_gains`:
+products of rates below 1), so that a row's tokens are taken shallowest first.
+
 1. greedy: every lookup token, best gain per second first (ties: lower row, then shallower),
    while it beats the rate of the tokens taken so far by DRAFT_MARGIN; a token that would make
    the step longer than `max_seconds` is left, with its row's deeper tokens;
@@ -74,30 +77,12 @@ def greedy_lookup_plan(gains, lengths_offered, cost, start_tokens, start_seconds
         allowances[i] = _allowance(t_plain, t_verify, row_slack, 0.0, ahead[i], 0.0, 0)
     for j in range(taken):
         _take(taken_row[j], cost[taken_row[j]], taken_gain[j], 1, due, drafted, own, credited, allowances)
+    taken_tokens, rule = (taken_row, taken_ratio, taken_gain), (drafted, own, credited, allowances)
+    limits = (start_tokens / start_seconds, max_seconds)
     taken, tokens, seconds = _lift(
-        gains,
-        lengths_offered,
-        cost,
-        (start_tokens / start_seconds, max_seconds),
-        due,
-        lengths,
-        (taken_row, taken_ratio, taken_gain),
-        taken,
-        tokens,
-        seconds,
-        (drafted, own, credited, allowances),
+        gains, lengths_offered, cost, limits, due, lengths, taken_tokens, taken, tokens, seconds, rule
     )
-    tokens, seconds = _give_back(
-        cost,
-        gains.shape[1],
-        due,
-        lengths,
-        (taken_row, taken_ratio, taken_gain),
-        taken,
-        tokens,
-        seconds,
-        (drafted, own, credited, allowances),
-    )
+    tokens, seconds = _give_back(cost, gains.shape[1], due, lengths, taken_tokens, taken, tokens, seconds, rule)
     return lengths, tokens, seconds
 
 

@@ -390,8 +390,8 @@ def compiled_lookup_choice(offers, gains, cost, start, max_seconds, protected: R
     offered = np.fromiter((o.lookup_tokens for o in offers), dtype=np.int64, count=len(offers))
     due = (
         (
-            protected.t_plain,
-            protected.t_verify,
+            float(protected.t_plain),
+            float(protected.t_verify),
             ROW_SLACK,
             np.array(protected.trusted, float),
             np.array(protected.ahead, float),
