@@ -7,10 +7,9 @@ in Python, which it still makes for plans with self-drafts (their tokens span ro
 At 64 rows with predictions the greedy takes hundreds of tokens a step and the per-row rule
 gives most of them back, a few Python calls each; compiled, the whole plan costs less than
 building its arrays. The arithmetic is the Python path's, operation for operation, so that the
-two make the same plans to the last bit (tests/test_controller.py compares them):
-
-Like the Python path, it takes a row's gains as never rising with depth (`AcceptanceModel.lookup_gains`:
-products of rates below 1), so that a row's tokens are taken shallowest first.
+two make the same plans to the last bit (tests/test_controller.py compares them). Like the
+Python path, it takes a row's gains as never rising with depth (`AcceptanceModel.lookup_gains`:
+products of rates below 1), so that a row's tokens are taken shallowest first. In three stages:
 
 1. greedy: every lookup token, best gain per second first (ties: lower row, then shallower),
    while it beats the rate of the tokens taken so far by DRAFT_MARGIN; a token that would make
@@ -44,6 +43,12 @@ def _allowance(t_plain, t_verify, row_slack, credited, ahead, own, drafted):
     """`RowProtection._allowance`: how much longer than plain's the step may be for a row."""
     extra = t_plain * ((1 + credited) / (1 - row_slack) - 1) + ahead
     return extra + (own + t_verify if drafted else 0.0)
+
+
+@compiled
+def _allowance_without(allowance, t_plain, t_verify, row_slack, gain, trusted, drafted):
+    """`RowProtection.allowance_without`: a row's allowance once it gives back its deepest token."""
+    return allowance - t_plain * gain * trusted / (1 - row_slack) - t_verify * (drafted == 1)
 
 
 @compiled
@@ -180,19 +185,22 @@ def _give_back(cost, depth, due, lengths, taken_tokens, taken, tokens, seconds, 
     last = taken - 1
     while last >= 0:
         added = seconds - t_plain
-        if not (allowances < added).any():
-            break
-        due_place, free_place = -1, -1
+        short, due_place, free_place = False, -1, -1  # (one pass: whether any row binds, and the choices)
         for i in range(rows):
-            if drafted[i] == 0 or added > allowances[i]:
+            if added > allowances[i]:
+                short = True
+                continue
+            if drafted[i] == 0:
                 continue
             place = places[i, drafted[i] - 1]
             gain = taken_gain[ranked[place]]
-            without = allowances[i] - t_plain * gain * trusted[i] / (1 - row_slack) - t_verify * (drafted[i] == 1)
+            without = _allowance_without(allowances[i], t_plain, t_verify, row_slack, gain, trusted[i], drafted[i])
             if without >= added:
                 due_place = max(due_place, place)
             else:
                 free_place = max(free_place, place)
+        if not short:
+            break
         place = due_place if due_place >= 0 else (free_place if free_place >= 0 else last)
         i, gain = taken_row[ranked[place]], taken_gain[ranked[place]]
         given[place] = True
