@@ -89,7 +89,8 @@ class DraftPipeline:
             self.controller.observe_lookup(self.lookup.rows_looked_up, self.lookup.seconds)
         clock.lap("look_up")
         offers = self.lookup.offers(step, rows, budgets, found, probed=probed)
-        return PreparedStep(step, found, offers, self.plan(offers, max(budgets, default=0), first_tokens).as_ints())
+        self_budget = self.options.unpredicted_budget(max(budgets, default=0))
+        return PreparedStep(step, found, offers, self.plan(offers, self_budget, first_tokens).as_ints())
 
     def plan(self, offers: list[RowOffer], self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
         """How much of each kind of draft pays this step (everything offered, if not adaptive)."""

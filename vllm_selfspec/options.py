@@ -96,9 +96,9 @@ def option(
 
 # vLLM's own key, validated and documented with ours.
 NUM_SPECULATIVE_TOKENS = OptionSpec("maximum draft length K", int, 1, 32)
-# A followed prediction (or a long lookup match) drafts up to K tokens a step, and the planner
-# decides each row's length, so a row without a long draft takes no more for a larger K, while
-# an edit that follows its prediction gets twice the tokens a step that 4 would allow it.
+# A prediction drafts up to K tokens a step, so that an edit that follows its prediction gets
+# twice the tokens a step that 4 would allow it; other drafts stop at
+# `max_draft_without_prediction`, so that a larger K costs the rows without one nothing.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 8
 
 
@@ -191,6 +191,16 @@ class SelfAdmgOptions:
         0.0,
         1.0,
     )
+    # Served beside K = 4, lookup drafts of up to 8 tokens lost chat's capacity and code's speed
+    # at light load: the planner's estimates of deep lookup tokens run high, and on a CPU each
+    # verified token costs nearly what a decoded one does.
+    max_draft_without_prediction: int = option(
+        4,
+        "with adaptive on, a row drafts at most N tokens a step from lookup or self-drafting; only "
+        "a prediction the output follows drafts up to num_speculative_tokens (0 = no cap: K for all)",
+        0,
+        32,
+    )
     # Each request's prediction is held in its request and in the workers while it runs.
     max_prediction_tokens: int = option(
         8192,
@@ -220,6 +230,11 @@ class SelfAdmgOptions:
     @property
     def skips_mlp(self) -> bool:
         return self.skip == "attention+mlp"
+
+    def unpredicted_budget(self, budget: int) -> int:
+        """Of a row's draft budget, what a lookup draft or a self-draft may use."""
+        cap = self.max_draft_without_prediction
+        return min(budget, cap) if self.adaptive and cap else budget
 
     def as_dict(self) -> dict[str, Any]:
         """The options as a user writes them (experimental ones under their key)."""

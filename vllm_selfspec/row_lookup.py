@@ -147,6 +147,7 @@ class RowLookup:
         fault_point("lookup", tokens=context)
         tenant = self.tenant(row.req_id)
         history = self.history.pool(tenant) if self.history is not None else None
+        budget = self.options.unpredicted_budget(budget)
         try:
             return lookup_draft(context, budget, self.options.lookup_max_match, history)
         except Exception as err:
