@@ -1188,7 +1188,7 @@ def test_the_lookup_plan_is_skipped_only_where_the_greedy_would_keep_no_token():
             trusted=[rng.random() < 0.5 for _ in offers],
             ahead=[rng.choice([-0.002, 0.0, 0.002, 0.004, 0.006, 0.02]) for _ in offers],
         )
-        plan = planner._greedy(offers, gains, cost, (len(offers), t_plain + t_verify), protected=due)
+        plan = planner._greedy(offers, gain_table(gains), cost, (len(offers), t_plain + t_verify), protected=due)
         if every_lookup_token_binds(due, offers, cost):
             skipped += 1
             assert sum(plan.lookup_lengths) == 0, (due, cost, [o.lookup_tokens for o in offers])
@@ -1225,8 +1225,9 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
         plan = controller.plan(offers, self_budget=0)
         assert plan.lookup_lengths == [4, 4] and controller.planner.ledger.planned is not None
         lessons.note_step()
-        for o, n in zip(offers, plan.lookup_lengths):
-            lessons.lookup_drafted(o.req_id, o, DraftSource.LOOKUP, n)
+        prepared = SimpleNamespace(offers=offers, gains=controller.acceptance.step_gains(offers))
+        for i, n in enumerate(plan.lookup_lengths):
+            lessons.lookup_drafted(prepared, i, DraftSource.LOOKUP, n)
         lessons.step_ended(drafted=made)
         lessons.call_ended()
         lessons.note_step()
@@ -1264,14 +1265,10 @@ def test_the_compiled_lookup_plan_is_the_plan_python_makes():
     for _ in range(4000):
         offers = [RowOffer(f"r{i}", lookup_tokens=rng.choice([0, 1, 2, 4, 8])) for i in range(rng.randint(1, 40))]
         cost = [rng.choice([0.001, 0.002, rng.uniform(0.0005, 0.01)]) for _ in offers]
-        gains = [
-            list(
-                itertools.accumulate(
-                    [rng.choice([0.5, 0.9, rng.uniform(0.3, 0.999)])] * o.lookup_tokens, lambda g, a: g * a
-                )
-            )
-            for o in offers
-        ]
+        gains = np.zeros((len(offers), 8))  # (a step's table, `AcceptanceModel.step_gains`)
+        for i, o in enumerate(offers):
+            each = [rng.choice([0.5, 0.9, rng.uniform(0.3, 0.999)])] * o.lookup_tokens
+            gains[i, : o.lookup_tokens] = list(itertools.accumulate(each, lambda g, a: g * a))
         t_plain, t_verify = rng.uniform(0.01, 0.06) + sum(cost), rng.choice([0.0, 0.004])
         due = RowDue(
             t_plain,
@@ -1298,6 +1295,71 @@ def test_the_compiled_lookup_plan_is_the_plan_python_makes():
             planner.compiled_lookup_plan = True
             given_back += sum(greedy_alone.lookup_lengths) > sum(made[0][0]) > 0
     assert compared == 4000 and drafted > 1000 and given_back > 100, (drafted, given_back)
+
+
+def gain_table(rows: list[list[float]]) -> np.ndarray:
+    """Rows of lookup gains as the planner takes them: a step's table, 0 past each row's draft."""
+    table = np.zeros((len(rows), max(max(map(len, rows), default=0), 1)))
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = row
+    return table
+
+
+def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
+    """`AcceptanceModel.step_gains` (arrays, once a step) against `lookup_gains` (one offer,
+    token by token), over random offers of every source, with and without probabilities, after
+    random verified drafts have taught bins, requests and the calibration; rows past their
+    draft are 0. The same for the bins and priors learned from, and for which rows are trusted."""
+    import random
+
+    from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource
+
+    rng = random.Random(5)
+    sources = [DraftSource.LOOKUP, DraftSource.HISTORY, DraftSource.PREDICTION]
+
+    def random_offer(i: int) -> RowOffer:
+        source, tokens = rng.choice(sources), rng.choice([0, 1, 3, 4, 8])
+        probs, p = [], 1.0
+        for _ in range(tokens):
+            p *= rng.choice([1.0, 0.9, 0.5, rng.uniform(0.1, 1.0)])
+            probs.append(max(p, 0.1))
+        with_probs = source != DraftSource.PREDICTION or rng.random() < 0.2
+        return RowOffer(
+            f"r{rng.randint(0, 12)}",
+            lookup_tokens=tokens,
+            lookup_source=source,
+            sampled=rng.random() < 0.3,
+            lookup_probs=tuple(probs) if with_probs else (),
+            lookup_match=rng.choice([0, 1, 2, 3, 5, 9, 30]),
+        )
+
+    compared = learned = trusted_by_bins = 0
+    for _ in range(300):
+        acceptance = AcceptanceModel()
+        offers = [random_offer(i) for i in range(rng.randint(1, 24))]
+        for _ in range(rng.randint(0, 60)):
+            # (drafts like the step's, of other requests or its own: they fill the same bins)
+            o = dataclasses.replace(rng.choice(offers), req_id=rng.choice(["other", "r1"]))
+            if o.lookup_tokens:
+                estimated, accepted = sum(acceptance.lookup_gains(o, scaled=False)), rng.randint(0, o.lookup_tokens)
+                bins = acceptance.calibration(o)
+                acceptance.observe_draft(o.req_id, o.lookup_source, o.lookup_tokens, accepted, bins, estimated)
+                # (after every draft learned from: each bin's count crosses the threshold in turn)
+                trusted = [acceptance.trusted(o) for o in offers]
+                assert acceptance.trusted_rows(offers, acceptance.step_gains(offers)) == trusted
+                trusted_by_bins += sum(t and not acceptance._trusted_request(o.req_id) for t, o in zip(trusted, offers))
+        gains = acceptance.step_gains(offers)
+        for i, o in enumerate(offers):
+            planned, estimated = gains.planned[i].tolist(), gains.estimated[i].tolist()
+            n = o.lookup_tokens
+            assert planned[:n] == acceptance.lookup_gains(o) and estimated[:n] == acceptance.lookup_gains(
+                o, scaled=False
+            )
+            assert not any(planned[n:]) and not any(estimated[n:])
+            assert gains.calibration(i, n) == acceptance.calibration(o, n)
+            compared += n > 0
+        learned += len(acceptance._by_bin) > 3
+    assert compared > 2000 and learned > 100 and trusted_by_bins > 100, (compared, learned, trusted_by_bins)
 
 
 def test_the_indexed_give_back_gives_back_what_a_scan_would():

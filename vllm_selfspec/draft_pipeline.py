@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_selfspec.control import DraftController, DraftPlan, RowOffer
+from vllm_selfspec.control import DraftController, DraftPlan, RowOffer, StepGains
 from vllm_selfspec.control.lookup_plan import warm_up as warm_up_lookup_plan
 from vllm_selfspec.counters import PartClock, ProposerCounters
 from vllm_selfspec.fail_safe import FailSafe, fault_point
@@ -25,12 +25,13 @@ from vllm_selfspec.scheduler_note import SchedulerNote
 
 @dataclass(frozen=True)
 class PreparedStep:
-    """What a step's rank-local part found: the step, each drafting row's lookup draft and
-    offer, and this rank's plan, ready for the broadcast (`DraftPlan.as_ints`)."""
+    """What a step's rank-local part found: the step, each drafting row's lookup draft, offer
+    and gains, and this rank's plan, ready for the broadcast (`DraftPlan.as_ints`)."""
 
     step: object  # a StepView
     found: list[Found]
     offers: list[RowOffer]
+    gains: StepGains
     plan_ints: list[int]
 
 
@@ -89,10 +90,13 @@ class DraftPipeline:
             self.controller.observe_lookup(self.lookup.rows_looked_up, self.lookup.seconds)
         clock.lap("look_up")
         offers = self.lookup.offers(step, rows, budgets, found, probed=probed)
+        # (once a step: the plan prices the drafts by them, and learning weighs what was accepted)
+        gains = self.controller.acceptance.step_gains(offers)
         self_budget = self.options.unpredicted_budget(max(budgets, default=0))
-        return PreparedStep(step, found, offers, self.plan(offers, self_budget, first_tokens).as_ints())
+        plan = self.plan(offers, gains, self_budget, first_tokens)
+        return PreparedStep(step, found, offers, gains, plan.as_ints())
 
-    def plan(self, offers: list[RowOffer], self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
+    def plan(self, offers: list[RowOffer], gains: StepGains, self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
         """How much of each kind of draft pays this step (everything offered, if not adaptive)."""
         fault_point("plan")
         if first_tokens == FirstTokens.QUEUED:
@@ -101,7 +105,7 @@ class DraftPipeline:
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
         expected = first_tokens == FirstTokens.EXPECTED
-        return self.controller.plan(offers, self_budget, self.first_tokens.draining, expected)
+        return self.controller.plan(offers, self_budget, self.first_tokens.draining, expected, gains)
 
     def wants_lookup(self, prepared: PreparedStep | None) -> bool:
         """This rank's vote on looking up next step (the ranks look up if any wants to): it is
@@ -116,12 +120,11 @@ class DraftPipeline:
 
     def take_lookup_drafts(self, prepared: PreparedStep, plan: DraftPlan, drafts: list[list[int]]) -> None:
         """The planned part of each row's lookup draft, into `drafts` (by batch row)."""
-        for row, offer, (source, draft), length in zip(
-            prepared.step.rows, prepared.offers, prepared.found, plan.lookup_lengths
-        ):
+        rows = prepared.step.rows
+        for i, (row, (source, draft), length) in enumerate(zip(rows, prepared.found, plan.lookup_lengths)):
             if length:  # (what is learned is guarded on its own)
-                drafts[row.index] = [int(t) for t in draft.tokens[:length]]
-                self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(row.req_id, offer, source, length))  # noqa: B023
+                drafts[row.index] = draft.tokens[:length].tolist()
+                self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(prepared, i, source, length))  # noqa: B023
 
     def forget(self, req_id: str, request=None) -> None:
         """The request ended: drop what is tracked for it, and keep its output for its tenant's

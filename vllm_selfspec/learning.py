@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from vllm_selfspec.control import DraftController, DraftSource, RowOffer
+from vllm_selfspec.control import DraftController, DraftSource
 from vllm_selfspec.counters import ProposerCounters, prompt_key
 
 
@@ -91,11 +91,13 @@ class StepLessons:
             self.counters.lookup_estimated += made.estimated
         return None if cut_short else accepted
 
-    def lookup_drafted(self, req_id: str, offer: RowOffer, source: DraftSource, length: int) -> None:
-        """What to learn from a lookup draft once it is verified."""
-        expectation = self.controller.expected_accepted(offer, length)
-        self.drafted[req_id] = DraftMade(
-            source, length, self.controller.calibration(offer, length), expectation.planned, expectation.estimated
+    def lookup_drafted(self, prepared, row: int, source: DraftSource, length: int) -> None:
+        """What to learn from a row's lookup draft once it is verified: its tokens' bins, and
+        how many of them the planner expected accepted (`prepared.gains`, as it planned)."""
+        gains = prepared.gains
+        planned, estimated = gains.expected(row, length)
+        self.drafted[prepared.offers[row].req_id] = DraftMade(
+            source, length, gains.calibration(row, length), planned, estimated
         )
         self.counters.lookup_tokens += length
         if source == DraftSource.HISTORY:

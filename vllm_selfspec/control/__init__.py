@@ -17,12 +17,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_selfspec.control.acceptance import AcceptanceModel, AcceptanceRate, BinPrior, DraftSource
+from vllm_selfspec.control.acceptance import AcceptanceModel, AcceptanceRate, BinPrior, DraftSource, StepGains
 from vllm_selfspec.control.lookup_gate import LookupGate
 from vllm_selfspec.control.planner import DraftPlan, DraftPlanner, RowOffer
 from vllm_selfspec.control.step_costs import StepCostModel
 
-__all__ = ["AcceptanceRate", "BinPrior", "DraftController", "DraftPlan", "DraftSource", "LookupExpectation", "RowOffer"]
+__all__ = [
+    "AcceptanceRate",
+    "BinPrior",
+    "DraftController",
+    "DraftPlan",
+    "DraftSource",
+    "LookupExpectation",
+    "RowOffer",
+    "StepGains",
+]
 
 
 @dataclass(frozen=True)
@@ -76,9 +85,14 @@ class DraftController:
 
     # What to do.
     def plan(
-        self, offers: list[RowOffer], self_budget: int, draining: bool = False, prompts_waiting: bool = False
+        self,
+        offers: list[RowOffer],
+        self_budget: int,
+        draining: bool = False,
+        prompts_waiting: bool = False,
+        gains: StepGains | None = None,
     ) -> DraftPlan:
-        return self.planner.plan(offers, self_budget, draining, prompts_waiting)
+        return self.planner.plan(offers, self_budget, draining, prompts_waiting, gains)
 
     def look_up_next(self, rows: int) -> bool:
         """Whether to look up next step, for a batch of `rows` (`lookup_gate`)."""
@@ -93,7 +107,4 @@ class DraftController:
     def expected_accepted(self, offer: RowOffer, length: int) -> LookupExpectation:
         """The tokens of the first `length` of a row's lookup draft that the planner expects
         verification to accept, as it plans with them and unscaled."""
-        estimates = self.acceptance.lookup_gains(offer, scaled=False)[:length]
-        return LookupExpectation(
-            float(sum(self.acceptance.scaled(offer.lookup_source, estimates))), float(sum(estimates))
-        )
+        return LookupExpectation(*self.acceptance.step_gains([offer]).expected(0, length))

@@ -18,8 +18,11 @@ the planner took as paying by its margin only broke even.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
+
+import numpy as np
 
 
 class DraftSource(str, Enum):
@@ -99,11 +102,46 @@ def token_bins(source: str, probs: tuple[float, ...], match: int, length: int, s
     ]
 
 
+SOURCE_INDEX = {source: i for i, source in enumerate(DraftSource)}
+AGREEMENT_SLOTS = len(AGREEMENT_EDGES) + 2  # 0: no probabilities (one bin per source), 1 + bucket
+MATCH_BUCKETS = len(MATCH_EDGES) + 1
+NUM_BINS = len(DraftSource) * 2 * MATCH_BUCKETS * AGREEMENT_SLOTS
+
+
+@functools.cache  # (a handful of bins, asked for every token learned from)
+def bin_id(token_bin: tuple) -> int:
+    """A calibration bin (`token_bins`) as an index into arrays over every bin."""
+    source, sampled, match_bucket, *agreement_bucket = token_bin
+    slot = agreement_bucket[0] + 1 if agreement_bucket else 0
+    return ((SOURCE_INDEX[DraftSource(source)] * 2 + sampled) * MATCH_BUCKETS + match_bucket) * AGREEMENT_SLOTS + slot
+
+
+@dataclass(frozen=True)
+class StepGains:
+    """Every row's lookup gains this step (`AcceptanceModel.lookup_gains`), rows x depth, 0 past
+    a row's draft: as the planner plans with them, and before the calibration scaled them; and
+    each token's calibration bin (`bin_id`, -1 past the draft) and the prior it starts from."""
+
+    planned: np.ndarray
+    estimated: np.ndarray
+    bins: np.ndarray
+    priors: np.ndarray
+
+    def expected(self, row: int, length: int) -> tuple[float, float]:
+        """The tokens of the row's first `length` the planner expected accepted, and unscaled
+        (summed in order, as floats: what is learned from them must not depend on how)."""
+        return sum(self.planned[row, :length].tolist()), sum(self.estimated[row, :length].tolist())
+
+    def calibration(self, row: int, length: int) -> list[BinPrior]:
+        """The bins and priors of the row's first `length` lookup tokens."""
+        return list(map(BinPrior, self.bins[row, :length].tolist(), self.priors[row, :length].tolist()))
+
+
 @dataclass(frozen=True)
 class BinPrior:
-    """A lookup token's calibration bin and the rate it starts from."""
+    """A lookup token's calibration bin (`bin_id`) and the rate it starts from."""
 
-    bin: tuple
+    bin: int
     prior: float
 
 
@@ -148,9 +186,13 @@ class AcceptanceModel:
     rates: dict[DraftSource, AcceptanceRate] = field(default_factory=default_rates)
     # Lookup acceptance per request and source (prior: the source's overall rate).
     _by_request: dict[tuple[str, DraftSource], AcceptanceRate] = field(default_factory=dict)
-    # Lookup acceptance per token bin (prior: the agreement share of its first token, or without
-    # probabilities, as for a prediction, its source's rate).
-    _by_bin: dict[tuple, AcceptanceRate] = field(default_factory=dict)
+    # Lookup acceptance per token bin, by `bin_id` (prior: the agreement share of its first
+    # token, or without probabilities, as for a prediction, its source's rate).
+    _by_bin: dict[int, AcceptanceRate] = field(default_factory=dict)
+    # Each bin's rate (NaN for a bin no draft has been verified in) and tokens verified, by
+    # `bin_id`: a step reads them all at once (`step_gains`, `trusted_rows`).
+    _bin_rates: np.ndarray = field(default_factory=lambda: np.full(NUM_BINS, np.nan))
+    _bin_verified: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS, dtype=np.int64))
     # Per lookup source, verification's outcome over the unscaled estimates of the drafts chosen.
     estimate_calibration: dict[DraftSource, EstimateCalibration] = field(
         default_factory=lambda: {source: EstimateCalibration() for source in LOOKED_UP}
@@ -181,7 +223,9 @@ class AcceptanceModel:
         for j, token in enumerate(bins[: min(accepted + 1, drafted)]):  # accepted, the first rejected
             if token.bin not in self._by_bin:
                 self._by_bin[token.bin] = AcceptanceRate(prior=min(token.prior, 0.999))
-            self._by_bin[token.bin].observe(1, int(j < accepted))
+            rate = self._by_bin[token.bin]
+            rate.observe(1, int(j < accepted))
+            self._bin_rates[token.bin], self._bin_verified[token.bin] = rate.rate, rate.verified
 
     def forget(self, req_id: str) -> None:
         for source in LOOKED_UP:
@@ -200,22 +244,35 @@ class AcceptanceModel:
         a chat row's short, weak matches beside a row that repeats one token, whose drafts
         fill other bins). Not a prediction's: it is the request's own text, as good or as bad
         as its sender made it, and other requests' predictions say nothing of it."""
-        own = False
-        for source in LOOKED_UP:  # (a loop, not any(): asked for every row of every step)
-            rate = self._by_request.get((offer.req_id, source))
-            if rate is not None and rate.verified >= TRUSTED_AFTER_TOKENS:
-                own = True
-                break
+        own = self._trusted_request(offer.req_id)
         if own or not offer.lookup_tokens or DraftSource(offer.lookup_source) == DraftSource.PREDICTION:
             return own
         return all(
-            (rate := self._by_bin.get(token_bin)) is not None and rate.verified >= TRUSTED_BIN_TOKENS
+            (rate := self._by_bin.get(bin_id(token_bin))) is not None and rate.verified >= TRUSTED_BIN_TOKENS
             for token_bin in set(offer.lookup_bins)
         )
 
+    def trusted_rows(self, offers, gains: StepGains) -> list[bool]:
+        """`trusted` of every offer, the bins' part over the step's arrays."""
+        own = [self._trusted_request(o.req_id) for o in offers]
+        bins = gains.bins
+        verified = np.where(bins >= 0, self._bin_verified[bins], TRUSTED_BIN_TOKENS) >= TRUSTED_BIN_TOKENS
+        by_bins = verified.all(axis=1).tolist()
+        return [
+            mine or (bool(o.lookup_tokens) and o.lookup_source != DraftSource.PREDICTION and in_bins)
+            for o, mine, in_bins in zip(offers, own, by_bins)
+        ]
+
+    def _trusted_request(self, req_id: str) -> bool:
+        for source in LOOKED_UP:
+            rate = self._by_request.get((req_id, source))
+            if rate is not None and rate.verified >= TRUSTED_AFTER_TOKENS:
+                return True
+        return False
+
     def calibration(self, offer, length: int | None = None) -> list[BinPrior]:
         """The bins and priors of an offer's first `length` lookup tokens (all by default)."""
-        return [BinPrior(b, p) for b, p in self._bins_and_priors(offer, length)]
+        return [BinPrior(bin_id(b), p) for b, p in self._bins_and_priors(offer, length)]
 
     def _bins_and_priors(self, offer, length: int | None = None):
         """(bin, prior) of an offer's first `length` lookup tokens. A token's prior is the share
@@ -237,17 +294,61 @@ class AcceptanceModel:
         request = self.lookup_rate(offer.req_id, source) / self.rate(source)
         gains, gain, by_bin = [], 1.0, self._by_bin
         if offer.lookup_tokens and not offer.lookup_probs:  # (every token in one bin, at one rate: a prediction's)
-            token_bin, prior = offer.lookup_bins[0], self.rate(source)
+            token_bin, prior = bin_id(offer.lookup_bins[0]), self.rate(source)
             each = min((by_bin[token_bin].rate if token_bin in by_bin else prior) * request, 0.999)
             for _ in range(offer.lookup_tokens):
                 gain *= each
                 gains.append(gain)
         else:
             for token_bin, prior in self._bins_and_priors(offer):
+                token_bin = bin_id(token_bin)
                 rate = by_bin[token_bin].rate if token_bin in by_bin else prior
                 gain *= min(rate * request, 0.999)
                 gains.append(gain)
         return self.scaled(source, gains) if scaled else gains
+
+    def step_gains(self, offers) -> StepGains:
+        """`lookup_gains` of every offer at once, to the last bit: each token's bin and prior
+        from its agreement share, its rate from the bins' array, the products along each row."""
+        width = max((o.lookup_tokens for o in offers), default=0)
+        estimated = np.zeros((len(offers), max(width, 1)))
+        bins, priors = np.full(estimated.shape, -1, dtype=np.int64), np.zeros(estimated.shape)
+        rows = [i for i, o in enumerate(offers) if o.lookup_tokens]
+        if not rows:
+            return StepGains(estimated, estimated, bins, priors)
+        # The offers' own fields, a list each; the rest is arrays.
+        by_source = {s: (self.rates[s].rate, self.estimate_calibration[s].factor, SOURCE_INDEX[s]) for s in LOOKED_UP}
+        by_request, fields, padded = self._by_request, [], []
+        for i in rows:
+            offer = offers[i]
+            source = offer.lookup_source
+            source = source if type(source) is DraftSource else DraftSource(source)
+            rate, factor, index = by_source[source]
+            own = by_request.get((offer.req_id, source))
+            request = (own.rate if own is not None else rate) / rate
+            n, probs = offer.lookup_tokens, offer.lookup_probs
+            fields.append((n, request, factor, index, offer.sampled, offer.lookup_match, not probs))
+            # (no probabilities: one bin, its prior the source's rate)
+            padded.append(probs[:n] + (1.0,) * (width - n) if probs else (rate,) * width)
+        lengths, request, factor, index, sampled, match, one_bin = (np.array(f) for f in zip(*fields))
+        probs = np.array(padded, dtype=np.float64)
+        match_bucket = np.searchsorted(MATCH_EDGES, match, side="right")
+        base = ((index * 2 + sampled) * MATCH_BUCKETS + match_bucket) * AGREEMENT_SLOTS
+        depth = np.arange(width)
+        inside = depth[None, :] < lengths[:, None]
+        previous = np.concatenate([np.ones((len(rows), 1)), probs[:, :-1]], axis=1)
+        shares = np.where(one_bin[:, None], probs, probs / np.where(inside, previous, 1.0))
+        slots = np.where(one_bin[:, None], 0, 1 + np.searchsorted(AGREEMENT_EDGES, shares, side="right"))
+        ids = base[:, None] + slots
+        learned = self._bin_rates[ids]
+        rates = np.where(np.isnan(learned), shares, learned)
+        gains = np.where(inside, np.multiply.accumulate(np.minimum(rates * request[:, None], 0.999), axis=1), 0.0)
+        estimated[rows, :width] = gains
+        planned = np.zeros_like(estimated)
+        planned[rows, :width] = np.where(inside, np.minimum(gains * factor[:, None], 0.999), 0.0)
+        bins[rows, :width] = np.where(inside, ids, -1)
+        priors[rows, :width] = np.where(inside, shares, 0.0)
+        return StepGains(planned, estimated, bins, priors)
 
     def scaled(self, source: str, estimates: list[float]) -> list[float]:
         """A lookup source's unscaled gains, scaled by what verification bears out of them."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, token_bins
+from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, StepGains, token_bins
 from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
 from vllm_selfspec.control.lookup_plan import NO_DUE, greedy_lookup_plan
 from vllm_selfspec.control.row_ledger import PlannedStep, RowLedger
@@ -198,19 +198,26 @@ class DraftPlanner:
     compiled_lookup_plan: bool = True
 
     def plan(
-        self, offers: list[RowOffer], self_budget: int, draining: bool = False, prompts_waiting: bool = False
+        self,
+        offers: list[RowOffer],
+        self_budget: int,
+        draining: bool = False,
+        prompts_waiting: bool = False,
+        gains: StepGains | None = None,
     ) -> DraftPlan:
         """Draft lengths for one step over these rows (every row that sampled a token);
         `draining`: no request admitted lately, so only the batch's end counts;
         `prompts_waiting`: a new prompt will wait for this step, which may then be at most
-        FIRST_TOKEN_SLACK longer than plain decoding's (and retries wait)."""
+        FIRST_TOKEN_SLACK longer than plain decoding's (and retries wait); `gains`: the
+        offers' lookup gains (`AcceptanceModel.step_gains`), if made already."""
         self.ledger.plan_made(None)
         if not self.costs.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan([o.lookup_tokens for o in offers], 0, False, [False] * len(offers))
         step = self.costs.target()
         cost = [max(step.t_row + step.t_sampled * o.sampled + step.t_context * o.context / 1000, 1e-9) for o in offers]
         plain_seconds = step.t0 + sum(cost)
-        gains = [self.acceptance.lookup_gains(o) if o.lookup_tokens else [] for o in offers]
+        step_gains = self.acceptance.step_gains(offers) if gains is None else gains
+        gains = step_gains.planned
         # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
         # than a self-draft's.
         a_self = self.acceptance.self_rate
@@ -228,7 +235,8 @@ class DraftPlanner:
             self_step = self.costs.self_step_seconds(len(self_rows))
             choice.best_self_saving = (step.t0 - self_step - step.t_verify) * max(o.tokens_left for o in offers)
         else:
-            choice = self._steady(offers, gains, cost, step.t0, step.t_verify, self_rows, self_budget, prompts_waiting)
+            t0, t_verify = step.t0, step.t_verify
+            choice = self._steady(offers, step_gains, cost, t0, t_verify, self_rows, self_budget, prompts_waiting)
         explored = False
         if self_rows and choice.self_length == 0 and self_budget and not prompts_waiting:
             retry_seconds = lambda rows: retry_step_seconds(self.costs, offers, cost, step, rows)  # noqa: E731
@@ -245,7 +253,7 @@ class DraftPlanner:
             choice.lookup_lengths, choice.self_length, explored, [i in choice.self_rows for i in range(len(offers))]
         )
 
-    def _steady(self, offers, gains, cost, t0, t_verify, self_rows, self_budget, prompts_waiting=False) -> Choice:
+    def _steady(self, offers, step_gains, cost, t0, t_verify, self_rows, self_budget, prompts_waiting=False) -> Choice:
         """The plan with the most tokens per second: lookup only, or self-drafts for
         `self_rows` with lookup for the rest (so a row that self-drafting does not pay for keeps
         its lookup draft); no longer than plain's by more than FIRST_TOKEN_SLACK if
@@ -256,18 +264,12 @@ class DraftPlanner:
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
-        ahead = self.ledger.ahead([o.req_id for o in offers])
-        protected = (
-            RowDue(
-                plain.seconds,
-                t_verify,
-                # A row behind its pace is credited nothing: its estimates have fallen short.
-                trusted=[self.acceptance.trusted(o) and a >= 0 for o, a in zip(offers, ahead)],
-                ahead=ahead,
-            )
-            if self.protect_rows and len(offers) > 1
-            else None
-        )
+        gains, protected = step_gains.planned, None
+        if self.protect_rows and len(offers) > 1:
+            ahead = self.ledger.ahead([o.req_id for o in offers])
+            trusted = self.acceptance.trusted_rows(offers, step_gains)
+            # A row behind its pace is credited nothing: its estimates have fallen short.
+            protected = RowDue(plain.seconds, t_verify, [t and a >= 0 for t, a in zip(trusted, ahead)], ahead)
         if protected and every_lookup_token_binds(protected, offers, cost):
             best = plain  # (the greedy would give every token back, and then not beat plain)
         else:
@@ -384,9 +386,7 @@ class DraftPlanner:
 def compiled_lookup_choice(offers, gains, cost, start, max_seconds, protected: RowDue | None) -> Choice:
     """`DraftPlanner._greedy` without self-drafts, by the compiled kernel over the batch's arrays."""
     depth = max((o.lookup_tokens for o in offers), default=0)
-    gain_table = np.zeros((len(offers), max(depth, 1)))
-    for i, row_gains in enumerate(gains):
-        gain_table[i, : len(row_gains)] = row_gains
+    gain_table = np.ascontiguousarray(gains[:, : max(depth, 1)], dtype=float)
     offered = np.fromiter((o.lookup_tokens for o in offers), dtype=np.int64, count=len(offers))
     due = (
         (
