@@ -187,10 +187,10 @@ def run_ours(
     plans: list | None = None,
     lookup_seconds_per_row: float | None = None,
 ) -> Measured:
-    """The pipeline as the proposer drives it each step, minus self-drafting (which needs the
-    model). `plans`: each step's plan and drafts are appended to it; `lookup_seconds_per_row`:
-    what the lookup gate is told lookups cost, instead of their time (so that plans replay
-    exactly, tests/test_replayed_plans.py)."""
+    """The pipeline as the proposer drives it each step (`DraftPipeline.propose`), minus
+    self-drafting (which needs the model). `plans`: each step's plan and drafts are appended
+    to it; `lookup_seconds_per_row`: what the lookup gate is told lookups cost, instead of
+    their time (so that plans replay exactly, tests/test_replayed_plans.py)."""
     pipeline = DraftPipeline(make_options(options), k, FailSafe())
     pin_step_costs(pipeline.controller.costs, **GPU_8B)
     if lookup_seconds_per_row is not None:
@@ -200,29 +200,29 @@ def run_ours(
         pipeline.lookup.history.add(None, output)
     measured, drafts = Measured(), [[] for _ in runner.rows]
     note = SchedulerNote(tenants=tuple((r.req_id, None) for r in runner.rows))
+    made: list = []  # this step's PreparedStep, for `plans`
+
+    def lookup_drafts(prepared, warm_up: bool) -> list[list[int]]:
+        """The proposer's `_draft` without self-drafts: the planned lookup drafts."""
+        made.append(prepared)
+        drafts = [[] for _ in range(prepared.step.num_rows)]
+        pipeline.take_lookup_drafts(prepared, DraftPlan.from_ints(prepared.plan_ints, len(prepared.offers)), drafts)
+        pipeline.lessons.step_ended(drafted=True)
+        return drafts
+
     for step_index in range(warm_up + steps):
         output, sampled = runner.step(drafts)
         parts = measured.parts if step_index >= warm_up else {}
         start = time.perf_counter()
         pipeline.begin_step(note if step_index == 0 else SchedulerNote(), runner.requests)
-        clock = PartClock(parts)
-        prepared = pipeline.prepare(StepView(runner, output, sampled, pipeline.request_facts), clock, probed=())
-        look_up = pipeline.wants_lookup(prepared)
-        clock.lap("plan")
-        may_draft, (pipeline.look_up,) = pipeline.fail_safe.agree(True, (int(look_up),))
-        clock.lap("agree")
-        drafts = [[] for _ in sampled]
-        if may_draft:
-            plan = DraftPlan.from_ints(prepared.plan_ints, len(prepared.offers))
-            pipeline.take_lookup_drafts(prepared, plan, drafts)
-        pipeline.lessons.step_ended(drafted=may_draft)
-        pipeline.lessons.call_ended()
-        clock.lap("draft")
+        step = StepView(runner, output, sampled, pipeline.request_facts)
+        made.clear()
+        drafts = pipeline.propose(step, PartClock(parts), probed=(), warmed_up=True, draft=lookup_drafts)
         if step_index >= warm_up:
             measured.seconds.append(time.perf_counter() - start)
             measured.draft_tokens += sum(map(len, drafts))
         if plans is not None:
-            plans.append({"plan": [int(x) for x in prepared.plan_ints], "drafts": drafts})
+            plans.append({"plan": [int(x) for x in made[0].plan_ints] if made else None, "drafts": drafts})
     return measured
 
 

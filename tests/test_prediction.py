@@ -92,10 +92,11 @@ def test_a_prediction_left_at_every_fourth_token_gives_way_to_the_contexts_longe
     assert found(followed, followed[:8], prompt=FILE[:10]) == (DraftSource.PREDICTION, followed[8:12])
 
 
-def test_only_a_followed_prediction_drafts_past_the_cap_on_other_drafts():
-    """At K = 8 a context that repeats drafts at most `max_draft_without_prediction` tokens by
-    lookup, while a prediction the output follows drafts all 8; with the cap off (0), or with
-    adaptive off (always K), lookup drafts all 8 too; self-drafts get the capped budget."""
+def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():
+    """At K = 8 a lookup of a 12-token match drafts at most `max_draft_unless_copying` tokens,
+    while a prediction the output follows, or a lookup matching all the last 24 tokens a lookup
+    compares, drafts all 8; with the cap off (0), or with adaptive off (always K), every lookup
+    drafts all 8; self-drafts get the capped budget."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -104,8 +105,8 @@ def test_only_a_followed_prediction_drafts_past_the_cap_on_other_drafts():
     from vllm_selfspec.options import make_options
     from vllm_selfspec.row_lookup import RowLookup
 
-    def drafted(options, prediction=()):
-        output = FILE[:12]
+    def drafted(options, prediction=(), followed=12):
+        output = FILE[:followed]
         context = np.asarray([*FILE, *output])  # the prompt holds the whole file: lookup continues it
         step = SimpleNamespace(
             prediction=lambda row, limit: list(prediction)[:limit],
@@ -117,10 +118,11 @@ def test_only_a_followed_prediction_drafts_past_the_cap_on_other_drafts():
         return len(draft)
 
     assert drafted({}) == 4
+    assert drafted({}, followed=30) == 8  # a copy
     assert drafted({}, prediction=FILE) == 8
-    assert drafted({"max_draft_without_prediction": 0}) == 8
+    assert drafted({"max_draft_unless_copying": 0}) == 8
     assert drafted({"adaptive": False}) == 8
-    assert make_options({}).unpredicted_budget(8) == 4 and make_options({}).unpredicted_budget(3) == 3
+    assert make_options({}).uncopied_budget(8) == 4 and make_options({}).uncopied_budget(3) == 3
 
 
 def test_a_prediction_wrong_from_its_first_token_drafts_nothing_and_counts_nothing_used():

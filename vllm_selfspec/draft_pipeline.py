@@ -68,6 +68,30 @@ class DraftPipeline:
         if len(self.request_facts) > 2 * len(live_requests) + 64:  # (should a request never be forgotten)
             self.request_facts = {r: f for r, f in self.request_facts.items() if r in live_requests}
 
+    def propose(self, step, clock: PartClock, *, probed, warmed_up: bool, draft) -> list[list[int]]:
+        """One step's drafts, the proposer's order, every rank alike: tick the fail-safe, the
+        rank-local part (`prepare`), the ranks' agreement on drafting and on the shared votes,
+        then `draft(prepared, warm_up)`, the part every rank runs alike (none if anything
+        fails on any rank: `fail_safe`). `probed`: the requests whose prompts are measured for
+        self-drafting; `warmed_up`: whether this rank's self-drafting has warmed up."""
+        rows = step.num_rows
+        try:
+            self.fail_safe.tick()
+            if self.fail_safe.disabled:
+                return self.no_drafts(rows)
+            prepared = self.fail_safe.attempt(lambda: self.prepare(step, clock, probed))
+            votes = (int(self.wants_lookup(prepared)), int(not warmed_up))
+            clock.lap("plan")
+            may_draft, (look_up, warm_up) = self.fail_safe.agree(prepared is not None, votes)
+            self.look_up = bool(look_up)
+            clock.lap("agree")
+            if not may_draft:
+                return self.no_drafts(rows)
+            return self.fail_safe.call(lambda: draft(prepared, bool(warm_up)), lambda: self.no_drafts(rows))
+        finally:
+            self.lessons.call_ended()
+            clock.lap("draft")
+
     def prepare(self, step, clock: PartClock, probed) -> PreparedStep:
         """The rank-local part of a step, before the ranks meet: learn from the step that ran,
         offer each row's lookup draft and plan (each rank its own plan; rank 0's is used).
@@ -92,7 +116,7 @@ class DraftPipeline:
         offers = self.lookup.offers(step, rows, budgets, found, probed=probed)
         # (once a step: the plan prices the drafts by them, and learning weighs what was accepted)
         gains = self.controller.acceptance.step_gains(offers)
-        self_budget = self.options.unpredicted_budget(max(budgets, default=0))
+        self_budget = self.options.uncopied_budget(max(budgets, default=0))
         plan = self.plan(offers, gains, self_budget, first_tokens)
         return PreparedStep(step, found, offers, gains, plan.as_ints())
 

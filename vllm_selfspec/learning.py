@@ -94,11 +94,11 @@ class StepLessons:
     def lookup_drafted(self, prepared, row: int, source: DraftSource, length: int) -> None:
         """What to learn from a row's lookup draft once it is verified: its tokens' bins, and
         how many of them the planner expected accepted (`prepared.gains`, as it planned)."""
-        gains = prepared.gains
+        gains, offer = prepared.gains, prepared.offers[row]
         planned, estimated = gains.expected(row, length)
-        self.drafted[prepared.offers[row].req_id] = DraftMade(
-            source, length, gains.calibration(row, length), planned, estimated
-        )
+        # (rank 0's plan, which every rank follows, may draft a row this rank found no draft for)
+        bins = gains.calibration(row, min(length, offer.lookup_tokens))
+        self.drafted[offer.req_id] = DraftMade(source, length, bins, planned, estimated)
         self.counters.lookup_tokens += length
         if source == DraftSource.HISTORY:
             self.counters.history_tokens += length

@@ -96,9 +96,9 @@ def option(
 
 # vLLM's own key, validated and documented with ours.
 NUM_SPECULATIVE_TOKENS = OptionSpec("maximum draft length K", int, 1, 32)
-# A prediction drafts up to K tokens a step, so that an edit that follows its prediction gets
-# twice the tokens a step that 4 would allow it; other drafts stop at
-# `max_draft_without_prediction`, so that a larger K costs the rows without one nothing.
+# A draft that copies (a followed prediction, or a lookup of a long match) drafts up to K
+# tokens a step, so that an edit gets twice the tokens a step that 4 would allow it; other
+# drafts stop at `max_draft_unless_copying`, so that a larger K costs the other rows nothing.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 8
 
 
@@ -193,11 +193,13 @@ class SelfAdmgOptions:
     )
     # Served beside K = 4, lookup drafts of up to 8 tokens lost chat's capacity and code's speed
     # at light load: the planner's estimates of deep lookup tokens run high, and on a CPU each
-    # verified token costs nearly what a decoded one does.
-    max_draft_without_prediction: int = option(
+    # verified token costs nearly what a decoded one does. A copy (an edit of a text in the
+    # prompt, or of its prediction) is accepted deep, and drafts to K.
+    max_draft_unless_copying: int = option(
         4,
-        "with adaptive on, a row drafts at most N tokens a step from lookup or self-drafting; only "
-        "a prediction the output follows drafts up to num_speculative_tokens (0 = no cap: K for all)",
+        "with adaptive on, a row drafts at most N tokens a step unless it copies: a prediction the "
+        "output follows, or a lookup matching the context's last 24 tokens (lookup_max_match), "
+        "drafts up to num_speculative_tokens (0 = K for every draft)",
         0,
         32,
     )
@@ -231,9 +233,9 @@ class SelfAdmgOptions:
     def skips_mlp(self) -> bool:
         return self.skip == "attention+mlp"
 
-    def unpredicted_budget(self, budget: int) -> int:
-        """Of a row's draft budget, what a lookup draft or a self-draft may use."""
-        cap = self.max_draft_without_prediction
+    def uncopied_budget(self, budget: int) -> int:
+        """Of a row's draft budget, what a draft that does not copy may use."""
+        cap = self.max_draft_unless_copying
         return min(budget, cap) if self.adaptive and cap else budget
 
     def as_dict(self) -> dict[str, Any]:

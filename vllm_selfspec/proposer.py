@@ -4,9 +4,9 @@
 target model through `load_model`, and calls `propose_for_runner` after every step (through
 `vllm_integration.runner_hook`). One step, `propose_for_runner`:
 
-1. read, learn, look up, offer and plan: rank-local and pure (`draft_pipeline`);
+1. read, learn, look up, offer and plan: rank-local and pure (`DraftPipeline.prepare`);
 2. agree: one small all-reduce across tensor-parallel ranks, so that a fault on any rank costs
-   every rank this step's drafts alike (`fail_safe`);
+   every rank this step's drafts alike (`fail_safe`; the order is `DraftPipeline.propose`);
 3. draft: take rank 0's plan, the planned lookup tokens, and self-draft the rest (`self_draft`);
 4. return ragged lists of draft tokens, which vLLM's scorer and rejection sampler verify.
 Every draft is a point mass (greedy or looked up): rejection sampling keeps the target's distribution.
@@ -73,27 +73,16 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
         Its time is on every step's critical path, drafting or not, so it is counted."""
         start = time.perf_counter()
-        rows, clock = len(sampled_token_ids), PartClock(self.counters.part_seconds)
         try:
-            self.fail_safe.tick()
-            if self.fail_safe.disabled:
-                return self.pipeline.no_drafts(rows)
-            step = StepView(runner, scheduler_output, sampled_token_ids, self.pipeline.request_facts)
-            prepared = self.fail_safe.attempt(lambda: self.pipeline.prepare(step, clock, self.self_drafter.masks))
-            warmed_up = self.self_drafter is not None and self.self_drafter.warmed_up
-            votes = (int(self.pipeline.wants_lookup(prepared)), int(not warmed_up))
-            clock.lap("plan")
-            may_draft, (look_up, warm_up) = self.fail_safe.agree(prepared is not None, votes)
-            self.pipeline.look_up = bool(look_up)
-            clock.lap("agree")
-            if not may_draft:
-                return self.pipeline.no_drafts(rows)
-            return self.fail_safe.call(
-                lambda: self._draft(prepared, common_attn_metadata, warm_up), lambda: self.pipeline.no_drafts(rows)
+            drafter = self.self_drafter
+            return self.pipeline.propose(
+                StepView(runner, scheduler_output, sampled_token_ids, self.pipeline.request_facts),
+                PartClock(self.counters.part_seconds),
+                probed=drafter.masks if drafter is not None else {},
+                warmed_up=drafter is not None and drafter.warmed_up,
+                draft=lambda prepared, warm_up: self._draft(prepared, common_attn_metadata, warm_up),
             )
         finally:
-            self.pipeline.lessons.call_ended()
-            clock.lap("draft")
             self.counters.propose_calls += 1
             self.counters.propose_seconds += time.perf_counter() - start
 

@@ -147,9 +147,8 @@ class RowLookup:
         fault_point("lookup", tokens=context)
         tenant = self.tenant(row.req_id)
         history = self.history.pool(tenant) if self.history is not None else None
-        budget = self.options.unpredicted_budget(budget)
         try:
-            return lookup_draft(context, budget, self.options.lookup_max_match, history)
+            return self._capped(lookup_draft(context, budget, self.options.lookup_max_match, history))
         except Exception as err:
             if history is None:
                 raise
@@ -157,7 +156,16 @@ class RowLookup:
             # context (if that raises too, the row is at fault).
             self.history.forget(tenant)
             self.fail_safe.record(err, one_request=True)
-            return lookup_draft(context, budget, self.options.lookup_max_match, None)
+            return self._capped(lookup_draft(context, budget, self.options.lookup_max_match, None))
+
+    def _capped(self, found: Found) -> Found:
+        """A lookup draft cut to `max_draft_unless_copying` tokens, unless it copies: it matches
+        as many of the context's last tokens as a lookup compares (`lookup_max_match`)."""
+        source, draft = found
+        cap = self.options.uncopied_budget(len(draft))
+        if cap < len(draft) and draft.match < self.options.lookup_max_match:
+            draft = LookupDraft(draft.tokens[:cap], draft.probs[:cap], draft.match)
+        return source, draft
 
     def forget(self, req_id: str, request=None) -> None:
         """The request ended: keep its output for its tenant's later requests, unless it was
