@@ -93,10 +93,10 @@ def test_a_prediction_left_at_every_fourth_token_gives_way_to_the_contexts_longe
 
 
 def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():
-    """At K = 8 a lookup of a 12-token match drafts at most `max_draft_unless_copying` tokens,
+    """At K = 8 with `max_draft_unless_copying` 4, a lookup of a 12-token match drafts 4 tokens,
     while a prediction the output follows, or a lookup matching all the last 24 tokens a lookup
-    compares, drafts all 8; with the cap off (0), or with adaptive off (always K), every lookup
-    drafts all 8; self-drafts get the capped budget."""
+    compares, drafts all 8; with the cap off (0, the default), or with adaptive off (always K),
+    every lookup drafts all 8; self-drafts get the capped budget."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -104,6 +104,8 @@ def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():
     from vllm_selfspec.fail_safe import FailSafe
     from vllm_selfspec.options import make_options
     from vllm_selfspec.row_lookup import RowLookup
+
+    capped = {"experimental": {"max_draft_unless_copying": 4}}
 
     def drafted(options, prediction=(), followed=12):
         output = FILE[:followed]
@@ -117,12 +119,13 @@ def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():
         ((_, draft),) = lookup.find(step, [SimpleNamespace(req_id="a", index=0)], [8], look_up=True)
         return len(draft)
 
-    assert drafted({}) == 4
-    assert drafted({}, followed=30) == 8  # a copy
-    assert drafted({}, prediction=FILE) == 8
-    assert drafted({"max_draft_unless_copying": 0}) == 8
-    assert drafted({"adaptive": False}) == 8
-    assert make_options({}).uncopied_budget(8) == 4 and make_options({}).uncopied_budget(3) == 3
+    assert drafted(capped) == 4
+    assert drafted(capped, followed=30) == 8  # a copy
+    assert drafted(capped, prediction=FILE) == 8
+    assert drafted({}) == 8
+    assert drafted({**capped, "adaptive": False}) == 8
+    assert make_options(capped).uncopied_budget(8) == 4 and make_options(capped).uncopied_budget(3) == 3
+    assert make_options({}).uncopied_budget(8) == 8
 
 
 def test_a_prediction_wrong_from_its_first_token_drafts_nothing_and_counts_nothing_used():

@@ -96,9 +96,9 @@ def option(
 
 # vLLM's own key, validated and documented with ours.
 NUM_SPECULATIVE_TOKENS = OptionSpec("maximum draft length K", int, 1, 32)
-# A draft that copies (a followed prediction, or a lookup of a long match) drafts up to K
-# tokens a step, so that an edit gets twice the tokens a step that 4 would allow it; other
-# drafts stop at `max_draft_unless_copying`, so that a larger K costs the other rows nothing.
+# A followed prediction (or a long lookup match) drafts up to K tokens a step, and the planner
+# decides each row's length, so a row without a long draft takes no more for a larger K, while
+# an edit that follows its prediction gets twice the tokens a step that 4 would allow it.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 8
 
 
@@ -191,18 +191,6 @@ class SelfAdmgOptions:
         0.0,
         1.0,
     )
-    # Served beside K = 4, lookup drafts of up to 8 tokens lost chat's capacity and code's speed
-    # at light load: the planner's estimates of deep lookup tokens run high, and on a CPU each
-    # verified token costs nearly what a decoded one does. A copy (an edit of a text in the
-    # prompt, or of its prediction) is accepted deep, and drafts to K.
-    max_draft_unless_copying: int = option(
-        4,
-        "with adaptive on, a row drafts at most N tokens a step unless it copies: a prediction the "
-        "output follows, or a lookup matching the context's last 24 tokens (lookup_max_match), "
-        "drafts up to num_speculative_tokens (0 = K for every draft)",
-        0,
-        32,
-    )
     # Each request's prediction is held in its request and in the workers while it runs.
     max_prediction_tokens: int = option(
         8192,
@@ -228,6 +216,17 @@ class SelfAdmgOptions:
         experimental=True,
     )
     lookup_max_match: int = option(24, "lookup matches at most the context's last N tokens", 1, 64, experimental=True)
+    # Off by default: capped at 4 on SmolLM2 served at K = 8, chat still trailed K = 4 and code
+    # edits lost a fifth of their speed (benchmarks/NOTES.md, entry 45).
+    max_draft_unless_copying: int = option(
+        0,
+        "with adaptive on, a row drafts at most N tokens a step unless it copies: a prediction the "
+        "output follows, or a lookup matching the context's last lookup_max_match tokens, drafts "
+        "up to num_speculative_tokens (0 = K for every draft)",
+        0,
+        32,
+        experimental=True,
+    )
 
     @property
     def skips_mlp(self) -> bool:

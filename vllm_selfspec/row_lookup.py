@@ -148,7 +148,7 @@ class RowLookup:
         tenant = self.tenant(row.req_id)
         history = self.history.pool(tenant) if self.history is not None else None
         try:
-            return self._capped(lookup_draft(context, budget, self.options.lookup_max_match, history))
+            return self._lookup(context, budget, history)
         except Exception as err:
             if history is None:
                 raise
@@ -156,16 +156,18 @@ class RowLookup:
             # context (if that raises too, the row is at fault).
             self.history.forget(tenant)
             self.fail_safe.record(err, one_request=True)
-            return self._capped(lookup_draft(context, budget, self.options.lookup_max_match, None))
+            return self._lookup(context, budget, None)
 
-    def _capped(self, found: Found) -> Found:
-        """A lookup draft cut to `max_draft_unless_copying` tokens, unless it copies: it matches
-        as many of the context's last tokens as a lookup compares (`lookup_max_match`)."""
-        source, draft = found
-        cap = self.options.uncopied_budget(len(draft))
-        if cap < len(draft) and draft.match < self.options.lookup_max_match:
-            draft = LookupDraft(draft.tokens[:cap], draft.probs[:cap], draft.match)
-        return source, draft
+    def _lookup(self, context, budget: int, history) -> Found:
+        """The row's lookup draft of at most `max_draft_unless_copying` tokens, as a lookup of
+        that budget finds it; only a copy (it matches as many of the context's last tokens as a
+        lookup compares, `lookup_max_match`) is looked up again for the row's whole budget."""
+        max_match = self.options.lookup_max_match
+        capped = self.options.uncopied_budget(budget)
+        found = lookup_draft(context, capped, max_match, history)
+        if capped < budget and found[1].match >= max_match:
+            found = lookup_draft(context, budget, max_match, history)
+        return found
 
     def forget(self, req_id: str, request=None) -> None:
         """The request ended: keep its output for its tenant's later requests, unless it was
