@@ -129,7 +129,9 @@ class DraftPipeline:
         if not self.options.adaptive:
             return DraftPlan.everything(offers, self_budget)
         expected = first_tokens == FirstTokens.EXPECTED
-        return self.controller.plan(offers, self_budget, self.first_tokens.draining, expected, gains)
+        return self.controller.plan(
+            offers, self_budget, draining=self.first_tokens.draining, prompts_waiting=expected, gains=gains
+        )
 
     def wants_lookup(self, prepared: PreparedStep | None) -> bool:
         """This rank's vote on looking up next step (the ranks look up if any wants to): it is

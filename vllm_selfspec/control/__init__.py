@@ -84,15 +84,9 @@ class DraftController:
         self.planner.ledger.forget(req_id)
 
     # What to do.
-    def plan(
-        self,
-        offers: list[RowOffer],
-        self_budget: int,
-        draining: bool = False,
-        prompts_waiting: bool = False,
-        gains: StepGains | None = None,
-    ) -> DraftPlan:
-        return self.planner.plan(offers, self_budget, draining, prompts_waiting, gains)
+    def plan(self, offers: list[RowOffer], self_budget: int, **when) -> DraftPlan:
+        """`DraftPlanner.plan`; `when`: `draining`, `prompts_waiting` and `gains`, by name."""
+        return self.planner.plan(offers, self_budget, **when)
 
     def look_up_next(self, rows: int) -> bool:
         """Whether to look up next step, for a batch of `rows` (`lookup_gate`)."""
