@@ -28,18 +28,9 @@ __all__ = [
     "DraftController",
     "DraftPlan",
     "DraftSource",
-    "LookupExpectation",
     "RowOffer",
     "StepGains",
 ]
-
-
-@dataclass(frozen=True)
-class LookupExpectation:
-    """The tokens of a lookup draft the planner expects to be accepted."""
-
-    planned: float  # scaled by what verification bears out, as the planner plans with them
-    estimated: float  # before that scaling: what the scaling learns from
 
 
 @dataclass
@@ -97,8 +88,3 @@ class DraftController:
 
     def calibration(self, offer: RowOffer, length: int | None = None) -> list[BinPrior]:
         return self.acceptance.calibration(offer, length)
-
-    def expected_accepted(self, offer: RowOffer, length: int) -> LookupExpectation:
-        """The tokens of the first `length` of a row's lookup draft that the planner expects
-        verification to accept, as it plans with them and unscaled."""
-        return LookupExpectation(*self.acceptance.step_gains([offer]).expected(0, length))
