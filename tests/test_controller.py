@@ -1336,7 +1336,7 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
 
     compared = learned = trusted_by_bins = 0
     for _ in range(300):
-        acceptance = AcceptanceModel()
+        acceptance, by_bin = AcceptanceModel(), {}  # (by_bin: each bin's rate as objects, the reference)
         offers = [random_offer(i) for i in range(rng.randint(1, 24))]
         for _ in range(rng.randint(0, 60)):
             # (drafts like the step's, of other requests or its own: they fill the same bins)
@@ -1345,6 +1345,14 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
                 estimated, accepted = sum(acceptance.lookup_gains(o, scaled=False)), rng.randint(0, o.lookup_tokens)
                 bins = acceptance.calibration(o)
                 acceptance.observe_draft(o.req_id, o.lookup_source, o.lookup_tokens, accepted, bins, estimated)
+                for j, (token_bin, prior) in enumerate(zip(*bins)):
+                    if j <= accepted:  # (the accepted tokens and the first rejected)
+                        rate = by_bin.setdefault(token_bin, AcceptanceRate(prior=min(prior, 0.999)))
+                        rate.observe(1, int(j < accepted))
+                learned_bins = np.flatnonzero(acceptance._bin_verified).tolist()
+                assert learned_bins == sorted(by_bin)
+                assert acceptance._bin_rates[learned_bins].tolist() == [by_bin[b].rate for b in learned_bins]
+                assert acceptance._bin_verified[learned_bins].tolist() == [by_bin[b].verified for b in learned_bins]
                 # (after every draft learned from: each bin's count crosses the threshold in turn)
                 trusted = [acceptance.trusted(o) for o in offers]
                 assert acceptance.trusted_rows(offers, acceptance.step_gains(offers)) == trusted
@@ -1357,9 +1365,11 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
                 o, scaled=False
             )
             assert not any(planned[n:]) and not any(estimated[n:])
-            assert gains.calibration(i, n) == acceptance.calibration(o, n)
+            calibration, reference = gains.calibration(i, n), acceptance.calibration(o, n)
+            assert calibration.bins.tolist() == reference.bins.tolist()
+            assert calibration.priors.tolist() == reference.priors.tolist()
             compared += n > 0
-        learned += len(acceptance._by_bin) > 3
+        learned += len(by_bin) > 3
     assert compared > 2000 and learned > 100 and trusted_by_bins > 100, (compared, learned, trusted_by_bins)
 
 

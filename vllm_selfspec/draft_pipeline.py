@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_selfspec.control import DraftController, DraftPlan, RowOffer, StepGains
+from vllm_selfspec.control.acceptance import warm_up as warm_up_acceptance
 from vllm_selfspec.control.lookup_plan import warm_up as warm_up_lookup_plan
 from vllm_selfspec.counters import PartClock, ProposerCounters
 from vllm_selfspec.fail_safe import FailSafe, fault_point
@@ -52,6 +53,7 @@ class DraftPipeline:
         self.prefix_cache_resets = 0  # as the scheduler's note last counted them
         # (compiled now, at the engine's start, not in its first request's step)
         fail_safe.attempt(warm_up_lookup_plan)
+        fail_safe.attempt(warm_up_acceptance)
         if options.lookup:
             fail_safe.attempt(warm_up_lookup)
 

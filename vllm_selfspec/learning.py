@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from vllm_selfspec.control import DraftController, DraftSource
+from vllm_selfspec.control import Calibration, DraftController, DraftSource
+from vllm_selfspec.control.acceptance import NO_CALIBRATION
 from vllm_selfspec.counters import ProposerCounters, prompt_key
 
 
@@ -21,7 +22,7 @@ class DraftMade:
 
     source: DraftSource
     length: int
-    bins: list  # its lookup tokens' calibration (control.acceptance.BinPrior)
+    calibration: Calibration  # its lookup tokens' bins and priors
     expected: float = 0.0  # lookup tokens the planner expected to be accepted, as it planned
     estimated: float = 0.0  # the same before its calibration scaled them (what that learns from)
 
@@ -63,7 +64,11 @@ class StepLessons:
             )
             self.counters.steps_timed += 1
         self.step_end = None
-        accepted = {row.req_id: self._learn_row(step, row) for row in step.rows} if follows_last_call else None
+        accepted = None
+        if follows_last_call:  # (every row accepted nothing but those that drafted, learned in the step's order)
+            accepted = dict.fromkeys((row.req_id for row in step.rows), 0)
+            for row in (row for row in step.rows if row.req_id in self.drafted) if self.drafted else ():
+                accepted[row.req_id] = self._learn_row(step, row)
         # The per-row rule's ledger settles the step as planned only if it ran as planned: every
         # draft verified whole (a step beside a prefill, whose drafts the scheduler withheld,
         # cost what a plain one does, not what was planned).
@@ -72,15 +77,15 @@ class StepLessons:
         self.drafted = {}
 
     def _learn_row(self, step, row) -> int | None:
-        """What verification made of the row's draft, if it had one: its accepted tokens (None:
-        the scheduler cut the draft short or withheld it)."""
-        made = self.drafted.get(row.req_id)
-        verified = min(made.length, step.verified_draft_tokens(row.req_id)) if made else 0
-        self.counters.draft_tokens_withheld += made.length - verified if made else 0
+        """What verification made of the row's draft: its accepted tokens (None: the scheduler
+        cut the draft short or withheld it)."""
+        made = self.drafted[row.req_id]
+        verified = min(made.length, step.verified_draft_tokens(row.req_id))
+        self.counters.draft_tokens_withheld += made.length - verified
         if not verified:
-            return None if made else 0
+            return None
         accepted = min(step.accepted(row.index), verified)
-        self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.bins, made.estimated)
+        self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.calibration, made.estimated)
         cut_short = verified < made.length
         if made.source == DraftSource.PREDICTION:  # (not the lookup gate's: predictions cost no lookup)
             self.counters.prediction_accepted += accepted
@@ -97,8 +102,8 @@ class StepLessons:
         gains, offer = prepared.gains, prepared.offers[row]
         planned, estimated = gains.expected(row, length)
         # (rank 0's plan, which every rank follows, may draft a row this rank found no draft for)
-        bins = gains.calibration(row, min(length, offer.lookup_tokens))
-        self.drafted[offer.req_id] = DraftMade(source, length, bins, planned, estimated)
+        calibration = gains.calibration(row, min(length, offer.lookup_tokens))
+        self.drafted[offer.req_id] = DraftMade(source, length, calibration, planned, estimated)
         self.counters.lookup_tokens += length
         if source == DraftSource.HISTORY:
             self.counters.history_tokens += length
@@ -108,7 +113,7 @@ class StepLessons:
             self.counters.context_tokens += length
 
     def self_drafted(self, req_id: str, length: int) -> None:
-        self.drafted[req_id] = DraftMade(DraftSource.SELF, length, [])
+        self.drafted[req_id] = DraftMade(DraftSource.SELF, length, NO_CALIBRATION)
 
     def step_ended(self, *, drafted: bool) -> None:
         """The proposer is about to return this step's drafts (none if not `drafted`: then

@@ -69,15 +69,14 @@ class RowLookup:
     def find(self, step, rows, budgets: list[int], look_up: bool) -> list[Found]:
         """Each row's draft: its prediction's or its best lookup draft if `look_up`, whichever
         matches more (the prediction's on a tie; NO_DRAFT where neither offers one or the budget
-        is 0). A row quarantined now gets its budget set to 0 in `budgets`."""
+        is 0). `budgets`: 0 for a row out of quarantine (`allowed`); a row whose lookup raises
+        is quarantined now, and its budget set to 0."""
         fault_point("lookup")
         found, failed, tried = [], [], 0
         lookup_seconds, self.rows_looked_up = 0.0, 0
         for i, (row, budget) in enumerate(zip(rows, budgets)):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
-            if budget and not self.allowed(step, row):
-                budgets[i] = 0  # a twin of a request blamed earlier in this step
-            elif budget:
+            if budget:
                 tried += 1
                 try:
                     source, draft = self._predicted(step, row, budget)

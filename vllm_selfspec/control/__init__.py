@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_selfspec.control.acceptance import AcceptanceModel, AcceptanceRate, BinPrior, DraftSource, StepGains
+from vllm_selfspec.control.acceptance import AcceptanceModel, AcceptanceRate, Calibration, DraftSource, StepGains
 from vllm_selfspec.control.lookup_gate import LookupGate
 from vllm_selfspec.control.planner import DraftPlan, DraftPlanner, RowOffer
 from vllm_selfspec.control.step_costs import StepCostModel
 
 __all__ = [
     "AcceptanceRate",
-    "BinPrior",
+    "Calibration",
     "DraftController",
     "DraftPlan",
     "DraftSource",
@@ -54,10 +54,9 @@ class DraftController:
     def observe_probe(self, rows: int, seconds: float) -> None:
         self.costs.observe_probe(rows, seconds)
 
-    def observe_draft(
-        self, req_id: str, source: str, drafted: int, accepted: int, bins: list[BinPrior] = (), estimated: float = 0.0
-    ) -> None:
-        self.acceptance.observe_draft(req_id, source, drafted, accepted, bins, estimated)
+    def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int, *learned) -> None:
+        """`AcceptanceModel.observe_draft`; `learned`: its calibration and estimate, if any."""
+        self.acceptance.observe_draft(req_id, source, drafted, accepted, *learned)
 
     def observe_lookup(self, rows: int, seconds: float) -> None:
         self.lookup_gate.observe_lookup(rows, seconds)
@@ -86,5 +85,5 @@ class DraftController:
         step = self.costs.target()
         return self.lookup_gate.open(step.t0 / rows + step.t_row)
 
-    def calibration(self, offer: RowOffer, length: int | None = None) -> list[BinPrior]:
+    def calibration(self, offer: RowOffer, length: int | None = None) -> Calibration:
         return self.acceptance.calibration(offer, length)

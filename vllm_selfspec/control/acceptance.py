@@ -21,8 +21,11 @@ import bisect
 import functools
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
+
+from vllm_selfspec.compiled import compiled
 
 
 class DraftSource(str, Enum):
@@ -132,17 +135,50 @@ class StepGains:
         (summed in order, as floats: what is learned from them must not depend on how)."""
         return sum(self.planned[row, :length].tolist()), sum(self.estimated[row, :length].tolist())
 
-    def calibration(self, row: int, length: int) -> list[BinPrior]:
+    def calibration(self, row: int, length: int) -> Calibration:
         """The bins and priors of the row's first `length` lookup tokens."""
-        return list(map(BinPrior, self.bins[row, :length].tolist(), self.priors[row, :length].tolist()))
+        return Calibration(self.bins[row, :length].copy(), self.priors[row, :length].copy())
 
 
-@dataclass(frozen=True)
-class BinPrior:
-    """A lookup token's calibration bin (`bin_id`) and the rate it starts from."""
+class Calibration(NamedTuple):
+    """A lookup draft's tokens' calibration bins (`bin_id`), and the rate each starts from."""
 
-    bin: int
-    prior: float
+    bins: np.ndarray  # int64
+    priors: np.ndarray  # float64
+
+    @staticmethod
+    def of(pairs) -> Calibration:
+        pairs = list(pairs)
+        return Calibration(
+            np.fromiter((b for b, _ in pairs), dtype=np.int64, count=len(pairs)),
+            np.fromiter((p for _, p in pairs), dtype=np.float64, count=len(pairs)),
+        )
+
+
+NO_CALIBRATION = Calibration(np.zeros(0, dtype=np.int64), np.zeros(0))
+BIN_DECAY = 0.98  # a bin's rate, as `AcceptanceRate`'s default
+
+
+@compiled
+def _observe_bins(bins, priors, accepted, bin_accepted, bin_trials, bin_verified, bin_rates, decay):
+    """`AcceptanceRate.observe(1, j < accepted)` for each token j of a verified draft, in its
+    bin, over the arrays of every bin (a bin starts at two pseudo-trials at its first token's
+    prior): the same arithmetic in the same order, so the same bits as the objects."""
+    for j in range(len(bins)):
+        b = bins[j]
+        if b < 0:
+            continue
+        if bin_verified[b] == 0:
+            bin_accepted[b], bin_trials[b] = 2 * min(priors[j], 0.999), 2.0
+        bin_accepted[b] = decay * bin_accepted[b] + (1.0 if j < accepted else 0.0)
+        bin_trials[b] = decay * bin_trials[b] + 1.0
+        bin_verified[b] += 1
+        bin_rates[b] = min(bin_accepted[b] / bin_trials[b], 0.999)
+
+
+def warm_up() -> None:
+    """Compile the bins' kernel (or load it from numba's cache) at the engine's start."""
+    AcceptanceModel().observe_draft("warm-up", DraftSource.LOOKUP, 1, 1, Calibration(np.zeros(1, np.int64), np.ones(1)))
 
 
 def default_rates() -> dict[DraftSource, AcceptanceRate]:
@@ -186,13 +222,18 @@ class AcceptanceModel:
     rates: dict[DraftSource, AcceptanceRate] = field(default_factory=default_rates)
     # Lookup acceptance per request and source (prior: the source's overall rate).
     _by_request: dict[tuple[str, DraftSource], AcceptanceRate] = field(default_factory=dict)
+    # Requests whose own rate of some source rests on TRUSTED_AFTER_TOKENS verified tokens (a
+    # count that only grows while the request lives): read for every row of every step.
+    _trusted_requests: set[str] = field(default_factory=set)
     # Lookup acceptance per token bin, by `bin_id` (prior: the agreement share of its first
-    # token, or without probabilities, as for a prediction, its source's rate).
-    _by_bin: dict[int, AcceptanceRate] = field(default_factory=dict)
-    # Each bin's rate (NaN for a bin no draft has been verified in) and tokens verified, by
-    # `bin_id`: a step reads them all at once (`step_gains`, `trusted_rows`).
+    # token, or without probabilities, as for a prediction, its source's rate), as arrays over
+    # every bin, which a step reads at once (`step_gains`, `trusted_rows`) and learns into with
+    # one kernel per draft (`_observe_bins`): each bin's rate (NaN for a bin no draft has been
+    # verified in), tokens verified, and decayed accepted tokens and trials.
     _bin_rates: np.ndarray = field(default_factory=lambda: np.full(NUM_BINS, np.nan))
     _bin_verified: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS, dtype=np.int64))
+    _bin_accepted: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+    _bin_trials: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
     # Per lookup source, verification's outcome over the unscaled estimates of the drafts chosen.
     estimate_calibration: dict[DraftSource, EstimateCalibration] = field(
         default_factory=lambda: {source: EstimateCalibration() for source in LOOKED_UP}
@@ -206,7 +247,13 @@ class AcceptanceModel:
         return self.rates[DraftSource.SELF].rate
 
     def observe_draft(
-        self, req_id: str, source: str, drafted: int, accepted: int, bins: list[BinPrior] = (), estimated: float = 0.0
+        self,
+        req_id: str,
+        source: str,
+        drafted: int,
+        accepted: int,
+        calibration: Calibration = NO_CALIBRATION,
+        estimated: float = 0.0,
     ) -> None:
         """What verification made of a row's draft from `source`, with its lookup tokens'
         calibration (`calibration`) and the tokens their unscaled estimates expected accepted
@@ -219,17 +266,20 @@ class AcceptanceModel:
             key = (req_id, source)
             if key not in self._by_request:
                 self._by_request[key] = AcceptanceRate(prior=overall.rate, decay=0.95)
-            self._by_request[key].observe(drafted, accepted)
-        for j, token in enumerate(bins[: min(accepted + 1, drafted)]):  # accepted, the first rejected
-            if token.bin not in self._by_bin:
-                self._by_bin[token.bin] = AcceptanceRate(prior=min(token.prior, 0.999))
-            rate = self._by_bin[token.bin]
-            rate.observe(1, int(j < accepted))
-            self._bin_rates[token.bin], self._bin_verified[token.bin] = rate.rate, rate.verified
+            own = self._by_request[key]
+            own.observe(drafted, accepted)
+            if own.verified >= TRUSTED_AFTER_TOKENS:
+                self._trusted_requests.add(req_id)
+        tried = min(accepted + 1, drafted)  # the accepted tokens and the first rejected
+        if tried > 0 and len(calibration.bins):
+            bins, priors = calibration.bins[:tried], calibration.priors[:tried]
+            arrays = (self._bin_accepted, self._bin_trials, self._bin_verified, self._bin_rates)
+            _observe_bins(bins, priors, accepted, *arrays, BIN_DECAY)
 
     def forget(self, req_id: str) -> None:
         for source in LOOKED_UP:
             self._by_request.pop((req_id, source), None)
+        self._trusted_requests.discard(req_id)
 
     def lookup_rate(self, req_id: str, source: str = DraftSource.LOOKUP) -> float:
         source = DraftSource(source)
@@ -247,14 +297,12 @@ class AcceptanceModel:
         own = self._trusted_request(offer.req_id)
         if own or not offer.lookup_tokens or DraftSource(offer.lookup_source) == DraftSource.PREDICTION:
             return own
-        return all(
-            (rate := self._by_bin.get(bin_id(token_bin))) is not None and rate.verified >= TRUSTED_BIN_TOKENS
-            for token_bin in set(offer.lookup_bins)
-        )
+        return all(self._bin_verified[bin_id(token_bin)] >= TRUSTED_BIN_TOKENS for token_bin in set(offer.lookup_bins))
 
     def trusted_rows(self, offers, gains: StepGains) -> list[bool]:
         """`trusted` of every offer, the bins' part over the step's arrays."""
-        own = [self._trusted_request(o.req_id) for o in offers]
+        trusted_requests = self._trusted_requests
+        own = [o.req_id in trusted_requests for o in offers]
         bins = gains.bins
         verified = np.where(bins >= 0, self._bin_verified[bins], TRUSTED_BIN_TOKENS) >= TRUSTED_BIN_TOKENS
         by_bins = verified.all(axis=1).tolist()
@@ -264,20 +312,21 @@ class AcceptanceModel:
         ]
 
     def _trusted_request(self, req_id: str) -> bool:
+        """Whether the request's own rate is trusted, from its rates (`_trusted_requests`' reference)."""
         for source in LOOKED_UP:
             rate = self._by_request.get((req_id, source))
             if rate is not None and rate.verified >= TRUSTED_AFTER_TOKENS:
                 return True
         return False
 
-    def calibration(self, offer, length: int | None = None) -> list[BinPrior]:
+    def calibration(self, offer, length: int | None = None) -> Calibration:
         """The bins and priors of an offer's first `length` lookup tokens (all by default)."""
-        return [BinPrior(bin_id(b), p) for b, p in self._bins_and_priors(offer, length)]
+        return Calibration.of((bin_id(b), p) for b, p in self._bins_and_priors(offer, length))
 
     def _bins_and_priors(self, offer, length: int | None = None):
         """(bin, prior) of an offer's first `length` lookup tokens. A token's prior is the share
         of occurrences that agree on it (suffix decoding's own estimate), or without
-        probabilities its source's overall rate. (Pairs, not `BinPrior`s: `lookup_gains` asks
+        probabilities its source's overall rate. (Pairs, not a `Calibration`: `lookup_gains` asks
         for every row a step.)"""
         length = offer.lookup_tokens if length is None else length
         shares = agreement(offer.lookup_probs) or [self.rate(offer.lookup_source)] * offer.lookup_tokens
@@ -292,18 +341,16 @@ class AcceptanceModel:
         drafts drag down."""
         source = DraftSource(offer.lookup_source)
         request = self.lookup_rate(offer.req_id, source) / self.rate(source)
-        gains, gain, by_bin = [], 1.0, self._by_bin
+        gains, gain = [], 1.0
+        learned = lambda token_bin, prior: prior if np.isnan(r := self._bin_rates[token_bin]) else float(r)  # noqa: E731
         if offer.lookup_tokens and not offer.lookup_probs:  # (every token in one bin, at one rate: a prediction's)
-            token_bin, prior = bin_id(offer.lookup_bins[0]), self.rate(source)
-            each = min((by_bin[token_bin].rate if token_bin in by_bin else prior) * request, 0.999)
+            each = min(learned(bin_id(offer.lookup_bins[0]), self.rate(source)) * request, 0.999)
             for _ in range(offer.lookup_tokens):
                 gain *= each
                 gains.append(gain)
         else:
             for token_bin, prior in self._bins_and_priors(offer):
-                token_bin = bin_id(token_bin)
-                rate = by_bin[token_bin].rate if token_bin in by_bin else prior
-                gain *= min(rate * request, 0.999)
+                gain *= min(learned(bin_id(token_bin), prior) * request, 0.999)
                 gains.append(gain)
         return self.scaled(source, gains) if scaled else gains
 

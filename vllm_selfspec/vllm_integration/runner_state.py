@@ -130,17 +130,21 @@ class StepView:
         out = self.scheduler_output
         if not out.total_num_scheduled_tokens:
             return None
-        spec = out.scheduled_spec_decode_tokens
-        rows = {r: 1 + len(spec.get(r, ())) for r in out.num_scheduled_tokens}
-        logit_rows = sum(rows.values())
-        sampled_rows = sum(n for r, n in rows.items() if self.samples(r))
+        scheduled = list(out.num_scheduled_tokens)
+        drafts = {r: len(d) for r, d in out.scheduled_spec_decode_tokens.items() if r in out.num_scheduled_tokens}
+        draft_tokens = sum(drafts.values())
+        # Per scheduled request: its logit rows, whether it samples, and its row in the batch.
+        logits = np.fromiter((1 + drafts.get(r, 0) for r in scheduled), np.int64, len(scheduled))
+        samples = np.fromiter(map(self.samples, scheduled), bool, len(scheduled))
         index = self.batch.req_id_to_index
-        context_read = sum(n * int(self.batch.num_tokens_no_spec[index[r]]) for r, n in rows.items() if r in index)
+        at = np.fromiter((index.get(r, -1) for r in scheduled), np.int64, len(scheduled))
+        held = at >= 0
+        context_read = int(logits[held] @ self.batch.num_tokens_no_spec[at[held]].astype(np.int64))
         return StepShape(
-            max(out.total_num_scheduled_tokens - logit_rows, 0),
-            logit_rows,
-            sampled_rows,
-            logit_rows - len(rows),
+            max(out.total_num_scheduled_tokens - len(scheduled) - draft_tokens, 0),
+            len(scheduled) + draft_tokens,
+            int(logits[samples].sum()),
+            draft_tokens,
             context_read,
         )
 
