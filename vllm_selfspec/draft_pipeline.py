@@ -109,8 +109,7 @@ class DraftPipeline:
             engine_was_busy=step.engine_was_busy,
         )
         clock.lap("learn")
-        k = self.num_speculative_tokens
-        budgets = [row.draft_budget(k) if row.may_draft and self.lookup.allowed(step, row) else 0 for row in rows]
+        budgets = self.lookup.budgets(step, rows, self.num_speculative_tokens)
         found = self.lookup.find(step, rows, budgets, self.look_up)
         if self.lookup.rows_looked_up:
             self.controller.observe_lookup(self.lookup.rows_looked_up, self.lookup.seconds)

@@ -66,6 +66,13 @@ class RowLookup:
         blamed earlier in the step may have a twin in it, n > 1 or a resent prompt)."""
         return self.quarantine.allows(row.req_id, lambda: (self.tenant(row.req_id), step.prompt(row.index)))
 
+    def budgets(self, step, rows, k: int) -> list[int]:
+        """Each row's draft budget of at most k tokens: 0 for a row whose sampling only the plain
+        sampler applies, or whose request is in quarantine (none is, mostly: then no row asks)."""
+        if not self.quarantine.requests and not self.quarantine.prompts:
+            return [row.draft_budget(k) if row.may_draft else 0 for row in rows]
+        return [row.draft_budget(k) if row.may_draft and self.allowed(step, row) else 0 for row in rows]
+
     def find(self, step, rows, budgets: list[int], look_up: bool) -> list[Found]:
         """Each row's draft: its prediction's or its best lookup draft if `look_up`, whichever
         matches more (the prediction's on a tie; NO_DRAFT where neither offers one or the budget
@@ -103,6 +110,7 @@ class RowLookup:
     def offers(step, rows, budgets: list[int], found: list[Found], probed) -> list[RowOffer]:
         """Each row's offer to the planner: the draft lookup found for it, and whether it may
         self-draft (`probed`: the requests whose prompts are measured already)."""
+        contexts = step.context_lengths([row.index for row in rows])
         return [
             RowOffer(
                 req_id=row.req_id,
@@ -114,9 +122,9 @@ class RowLookup:
                 lookup_match=draft.match,
                 remaining=row.tokens_left,
                 has_mask=row.req_id in probed,
-                context=step.context_length(row.index),
+                context=context,
             )
-            for row, budget, (source, draft) in zip(rows, budgets, found)
+            for row, budget, (source, draft), context in zip(rows, budgets, found, contexts)
         ]
 
     def _trusted(self, row, draft: LookupDraft) -> bool:

@@ -148,8 +148,8 @@ class StepView:
             context_read,
         )
 
-    def context_length(self, row: int) -> int:
-        return int(self.batch.num_tokens_no_spec[row])
+    def context_lengths(self, rows: list[int]) -> list[int]:
+        return self.batch.num_tokens_no_spec[rows].tolist()
 
     def samples(self, req_id: str) -> bool:
         facts = self.facts.get(req_id)
