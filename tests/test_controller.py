@@ -156,7 +156,8 @@ def test_a_flood_of_fresh_salts_stays_bounded_and_spares_a_returning_tenant():
     finally:
         tracemalloc.stop()
     assert histories.tenants == tenants and len(histories) <= max_tokens
-    assert held < max_tokens * 8 + tenants * 2048, held  # docs/operating.md: tokens x 8 B + ~1.5 kB a tenant
+    # docs/operating.md: tokens x 24 B (the tokens and their index) + ~2 kB a tenant
+    assert held < max_tokens * 24 + tenants * 2048, held
     draft = histories.pool("regular").draft(np.array([7, *range(100, 106)]), 4, 24)
     assert draft.tokens.tolist() == [106, 107, 108, 109]
 
@@ -201,6 +202,34 @@ def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():
     draft = history.draft(np.array([9, 1, 2]), max_tokens=3, max_match=24)
     assert (draft.tokens.tolist(), draft.probs) == ([4], (2 / 3,))  # stops at the output's end
     assert len(history.draft(np.array([7, 2, 4]), 3, 24)) == 0  # nothing followed "4"
+
+
+def test_a_historys_index_finds_what_a_scan_of_it_finds():
+    """The history's `TokenIndex`, kept up to date as outputs come and the oldest go, equals an
+    index built afresh, finds the occurrences a scan back finds (under any cap), and so drafts
+    what a scan of the history drafts; small vocabularies make long matches and many ties."""
+    from vllm_selfspec.lookup import TokenIndex, _indexed_occurrences, _recent_occurrences
+
+    rng = np.random.default_rng(3)
+    drafts = 0
+    for _ in range(200):
+        history = OutputHistory(max_tokens=int(rng.integers(8, 300)))
+        vocabulary = int(rng.integers(2, 12))
+        for _ in range(int(rng.integers(1, 30))):
+            history.add(rng.integers(0, vocabulary, int(rng.integers(0, 40))))
+            fresh = TokenIndex.of(history.tokens)
+            assert history.index.tokens.tolist() == fresh.tokens.tolist()
+            assert history.index.positions.tolist() == fresh.positions.tolist()
+            for _ in range(5):
+                token, limit, cap = int(rng.integers(0, vocabulary)), len(history) - 1, int(rng.integers(1, 20))
+                found = _indexed_occurrences(history.index.tokens, history.index.positions, limit, token, cap)
+                assert found.tolist() == _recent_occurrences(history.tokens, limit, token, cap).tolist()
+                context = rng.integers(0, vocabulary, int(rng.integers(1, 30)))
+                k, match = int(rng.integers(1, 8)), int(rng.integers(1, 30))
+                got, want = history.draft(context, k, match), suffix_draft(context, k, history.tokens, match)
+                assert (got.tokens.tolist(), got.probs, got.match) == (want.tokens.tolist(), want.probs, want.match)
+                drafts += len(got) > 0
+    assert drafts > 3000
 
 
 def test_lookup_draft_takes_the_better_of_own_context_and_history():

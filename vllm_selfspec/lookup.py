@@ -8,9 +8,10 @@ forward pass at all. The proposer takes these drafts when they are likely enough
 with the model itself otherwise (`vllm_selfspec.control` decides how much of each pays).
 
 The rule is suffix decoding's (Oliaro et al., 2024; vLLM's `suffix` method, arctic-inference's
-`SuffixDecodingCache` with a single path), computed here by a scan of the context or history,
-with no suffix tree, compiled by numba (every row looks up every step), its work bounded by
-caps on the occurrences it examines (below):
+`SuffixDecodingCache` with a single path), computed here with no suffix tree, from the
+occurrences of the context's last token (a scan back through the context, an index of the
+history), compiled by numba (every row looks up every step), its work bounded by caps on the
+occurrences it examines (below):
   * every match length m = 1..max_match of the context's last tokens is considered;
   * the draft follows, token by token, the most frequent continuation of the earlier
     occurrences of those m tokens (ties: the most recent occurrence, which follows local
@@ -56,17 +57,56 @@ NO_DRAFT = LookupDraft(np.zeros(0, dtype=np.int64))
 
 
 def suffix_draft(
-    context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None, max_match: int = 24, min_prob: float = 0.1
+    context: np.ndarray,
+    max_tokens: int,
+    corpus: np.ndarray | None = None,
+    max_match: int = 24,
+    min_prob: float = 0.1,
+    index: TokenIndex | None = None,
 ) -> LookupDraft:
     """The best draft of up to `max_tokens` tokens for `context`, from the earlier occurrences of
     its last tokens in `context` itself (corpus None) or in `corpus` (earlier outputs joined by
-    SEPARATOR). One pass over the corpus, then work that grows with the occurrences found."""
+    SEPARATOR). The occurrences of the last token are found by a scan back through the corpus,
+    or, given the corpus's `index`, by two binary searches; then work grows with those found."""
     # One type signature, the one compiled at start-up (warm_up): any other would be compiled
     # in the middle of a step.
     context = np.ascontiguousarray(context, dtype=np.int64)
     corpus = context if corpus is None else np.ascontiguousarray(corpus, dtype=np.int64)
-    tokens, probs, match = _suffix_draft(context, corpus, int(max_tokens), int(max_match), float(min_prob))
+    args = (int(max_tokens), int(max_match), float(min_prob))
+    if index is None:
+        tokens, probs, match = _suffix_draft(context, corpus, *args)
+    else:
+        tokens, probs, match = _indexed_suffix_draft(context, corpus, index.tokens, index.positions, *args)
     return LookupDraft(tokens, tuple(probs.tolist()), match) if len(tokens) else NO_DRAFT
+
+
+@dataclass(frozen=True)
+class TokenIndex:
+    """A corpus's positions sorted by the token they hold (ascending positions among equal
+    tokens), separators left out: where a token occurs, in two binary searches rather than a
+    scan of the corpus. Kept up to date as the corpus grows at its end and loses its start."""
+
+    tokens: np.ndarray  # int64, sorted
+    positions: np.ndarray  # int64, where each occurs
+
+    @staticmethod
+    def of(corpus: np.ndarray) -> TokenIndex:
+        return TokenIndex.empty().appended(corpus, 0)
+
+    @staticmethod
+    def empty() -> TokenIndex:
+        return TokenIndex(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+    def appended(self, tokens: np.ndarray, at: int) -> TokenIndex:
+        """The index with `tokens` added at positions `at`, `at` + 1, ... (past every position
+        indexed): a merge, linear in the index, not a sort of it."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        return TokenIndex(*_index_appended(self.tokens, self.positions, tokens, int(at)))
+
+    def dropped(self, cut: int) -> TokenIndex:
+        """The index once the corpus's first `cut` tokens are gone (positions shift down)."""
+        kept = self.positions >= cut
+        return TokenIndex(self.tokens[kept], self.positions[kept] - cut)
 
 
 # Bounds on one lookup's work, whatever the context or history. A context of one repeated token
@@ -103,6 +143,39 @@ def _longest_matches(ends, lengths, cap):
     return ends[order], lengths[order]
 
 
+@compiled
+def _index_appended(tokens, positions, added, at):
+    """`TokenIndex.appended`: `added`'s tokens sorted (stable: ascending positions among equal
+    tokens), separators left out, merged in after the equal tokens already indexed."""
+    order = np.argsort(added, kind="mergesort")
+    kept = 0
+    for j in range(len(order)):
+        if added[order[j]] != SEPARATOR:
+            order[kept] = order[j]
+            kept += 1
+    n = len(tokens)
+    merged_tokens, merged_positions = np.empty(n + kept, np.int64), np.empty(n + kept, np.int64)
+    i = j = 0
+    for k in range(n + kept):
+        if j == kept or (i < n and tokens[i] <= added[order[j]]):
+            merged_tokens[k], merged_positions[k] = tokens[i], positions[i]
+            i += 1
+        else:
+            merged_tokens[k], merged_positions[k] = added[order[j]], at + order[j]
+            j += 1
+    return merged_tokens, merged_positions
+
+
+@compiled
+def _indexed_occurrences(index_tokens, index_positions, limit, token, cap):
+    """`_recent_occurrences` by a `TokenIndex`: the same positions, found by binary search."""
+    lo = np.searchsorted(index_tokens, token, side="left")
+    hi = np.searchsorted(index_tokens, token, side="right")
+    positions = index_positions[lo:hi]
+    last = np.searchsorted(positions, limit, side="left")  # (positions before `limit`)
+    return positions[max(0, last - cap) : last].copy()
+
+
 # Every lookup runs on the step's critical path, for every row, over up to the whole history:
 # compiled, a history lookup costs a fraction of what the same rule costs in numpy calls. The
 # loops below are the rule in the module docstring, step by step.
@@ -110,13 +183,29 @@ def _longest_matches(ends, lengths, cap):
 def _suffix_draft(context, corpus, max_tokens, max_match, min_prob):
     """(draft tokens, their probabilities, match length) of `suffix_draft`; `corpus` may be
     `context` itself."""
-    no_draft = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0)
-    n = len(context)
-    end = len(corpus)  # continuations stop here
-    limit = end - 1  # an occurrence needs a token after it
+    n, limit = len(context), len(corpus) - 1  # (an occurrence needs a token after it)
     if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
-        return no_draft
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0
     ends = _recent_occurrences(corpus, limit, context[n - 1], MAX_OCCURRENCES_SCANNED)
+    return _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob)
+
+
+@compiled
+def _indexed_suffix_draft(context, corpus, index_tokens, index_positions, max_tokens, max_match, min_prob):
+    """`_suffix_draft` with the occurrences of the last token found by the corpus's index."""
+    n, limit = len(context), len(corpus) - 1
+    if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0
+    ends = _indexed_occurrences(index_tokens, index_positions, limit, context[n - 1], MAX_OCCURRENCES_SCANNED)
+    return _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob)
+
+
+@compiled
+def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
+    """The draft from `ends`, the most recent occurrences of the context's last token, in
+    corpus order (the rule's matching and following)."""
+    no_draft = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0)
+    n, end = len(context), len(corpus)  # (continuations stop at the corpus's end)
     if len(ends) == 0:
         return no_draft
     # lengths[i]: how many of the context's last tokens match the corpus, ending at ends[i].
@@ -177,6 +266,9 @@ def warm_up() -> None:
     """Compile the lookup (or load it from numba's cache): seconds the first time on a machine,
     which belong to the engine's start, not to its first request's step."""
     suffix_draft(np.zeros(2, dtype=np.int64), 1)
+    history = OutputHistory(8)
+    history.add(np.zeros(2, dtype=np.int64))
+    history.draft(np.zeros(2, dtype=np.int64), 1, 2)
 
 
 class OutputHistory:
@@ -185,12 +277,15 @@ class OutputHistory:
     One token array, outputs separated by SEPARATOR, the oldest outputs dropped beyond
     `max_tokens`; drafts come from `suffix_draft` over it, so frequent continuations win. Each
     output owns the separator before it; their sizes are kept, so that dropping the oldest
-    outputs costs one slice however many go, never a scan of the history.
+    outputs costs one slice however many go, never a scan of the history. Its `TokenIndex` is
+    kept beside it, so that every row's lookup in every step finds the occurrences of its last
+    token without a scan of the history (each output added or dropped costs a merge instead).
     """
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.tokens = np.full(1, SEPARATOR, dtype=np.int64)
+        self.index = TokenIndex.empty()
         self._sizes: deque[int] = deque()  # per output, oldest first: its tokens and its separator
 
     def __len__(self) -> int:
@@ -198,12 +293,13 @@ class OutputHistory:
 
     def add(self, output: np.ndarray) -> None:
         output = np.asarray(output, dtype=np.int64)
+        self.index = self.index.appended(output, len(self.tokens))
         self.tokens = np.concatenate([self.tokens, output, [SEPARATOR]])
         self._sizes.append(len(output) + 1)
         self.drop(len(self.tokens) - self.max_tokens)
 
     def draft(self, context: np.ndarray, max_tokens: int, max_match: int) -> LookupDraft:
-        return suffix_draft(context, max_tokens, self.tokens, max_match)
+        return suffix_draft(context, max_tokens, self.tokens, max_match, index=self.index)
 
     def drop(self, tokens: int) -> int:
         """Drop the oldest whole outputs until at least `tokens` token ids are gone, or none is
@@ -213,6 +309,7 @@ class OutputHistory:
             cut += self._sizes.popleft()
         if cut:
             self.tokens = self.tokens[cut:]
+            self.index = self.index.dropped(cut)
         return cut
 
 
