@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_selfspec.prediction import REJOIN_TOKENS, PredictionCursor, prediction_usage
+from vllm_selfspec.prediction import prediction_usage
+from vllm_selfspec.prediction_cursor import REJOIN_TOKENS, PredictionCursor
 
 FILE = list(range(100, 140))  # a known text: 40 distinct tokens
 
@@ -381,11 +382,49 @@ def scanned_rejoin(prediction: list[int], tail: list[int], lost_at: int) -> int 
 def test_the_indexed_rejoin_lands_where_a_scan_of_every_place_would():
     import numpy as np
 
+    from vllm_selfspec.prediction_cursor import _rejoin
+
     rng = np.random.default_rng(0)
     for _ in range(2000):
         vocabulary = int(rng.integers(2, 6))  # few distinct tokens: grams recur everywhere
         prediction = rng.integers(0, vocabulary, int(rng.integers(0, 40))).tolist()
         cursor = PredictionCursor(prediction)
-        cursor.lost_at = int(rng.integers(0, len(prediction) + 2))
-        tail = rng.integers(0, vocabulary + 1, REJOIN_TOKENS).tolist()  # sometimes a token it lacks
-        assert cursor._rejoin(np.asarray(tail)) == scanned_rejoin(prediction, tail, cursor.lost_at)
+        lost_at = int(rng.integers(0, len(prediction) + 2))
+        tail = rng.integers(0, vocabulary + 1, REJOIN_TOKENS)  # sometimes a token it lacks
+        found = _rejoin(tail, lost_at, cursor._distinct, cursor._keys, cursor._ends)
+        assert (None if found < 0 else found) == scanned_rejoin(prediction, tail.tolist(), lost_at)
+
+
+def test_the_compiled_cursor_follows_as_the_rule_token_by_token_would():
+    """`PredictionCursor.follow` (compiled, indexed) against the rule in the module docstring
+    in plain Python with a scan for each rejoin, on random outputs fed in random pieces: the
+    same place, run, departures and tokens used after every piece."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    departures = 0
+    for _ in range(500):
+        vocabulary = int(rng.integers(2, 8))
+        prediction = rng.integers(0, vocabulary, int(rng.integers(1, 60))).tolist()
+        output = [t if rng.random() < 0.8 else int(rng.integers(0, vocabulary + 1)) for t in prediction]
+        cursor = PredictionCursor(prediction)
+        position, run, lost_at, gone, used, followed = 0, 0, 0, 0, set(), 0  # (the reference's)
+        while followed < len(output):
+            seen = min(len(output), followed + int(rng.integers(1, 9)))
+            cursor.follow(np.asarray(output[:seen], dtype=np.int32))  # (as vLLM's rows hold them)
+            for i in range(followed, seen):
+                if position is not None and position < len(prediction) and prediction[position] == output[i]:
+                    used.add(position)
+                    position, run = position + 1, run + 1
+                    continue
+                if position is not None:
+                    lost_at, gone = position, gone + 1
+                tail = output[max(0, i + 1 - REJOIN_TOKENS) : i + 1]
+                position = scanned_rejoin(prediction, tail, lost_at) if len(tail) == REJOIN_TOKENS else None
+                run = 0 if position is None else REJOIN_TOKENS
+                if position is not None:
+                    used.update(range(position - REJOIN_TOKENS, position))
+            followed = seen
+            assert (cursor.position, cursor.run, cursor.departures, cursor.used) == (position, run, gone, len(used))
+        departures += gone
+    assert departures > 300

@@ -119,3 +119,16 @@ def test_the_proposer_refuses_to_run_without_its_patches_or_its_front_door(tiny_
     config.additional_config.pop("self_admg")
     with pytest.raises(SelfAdmgConfigError, match="got no checked options"):
         SelfAdmgProposer(config)
+
+
+def test_the_plugin_loads_no_compiled_kernels_into_a_process_vllm_has_not_set_up():
+    """The plugin loads in every vLLM process, workers before vLLM has set them up; numba
+    (llvmlite) loaded then makes vLLM's CPU worker fail its start (its kernel registry scans
+    every module's attributes, and llvmlite's library object answers any attribute): the
+    kernels come with the proposer, after the worker's set-up."""
+    probe = (
+        "import sys, vllm_selfspec.plugin as plugin; plugin.register(); "
+        "print('LOADED', sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert "LOADED []" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]

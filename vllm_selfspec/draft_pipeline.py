@@ -20,6 +20,7 @@ from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens
 from vllm_selfspec.learning import StepLessons
 from vllm_selfspec.lookup import warm_up as warm_up_lookup
 from vllm_selfspec.options import SelfAdmgOptions
+from vllm_selfspec.prediction_cursor import warm_up as warm_up_prediction_cursor
 from vllm_selfspec.row_lookup import Found, RowLookup
 from vllm_selfspec.scheduler_note import SchedulerNote
 
@@ -54,6 +55,7 @@ class DraftPipeline:
         # (compiled now, at the engine's start, not in its first request's step)
         fail_safe.attempt(warm_up_lookup_plan)
         fail_safe.attempt(warm_up_acceptance)
+        fail_safe.attempt(warm_up_prediction_cursor)
         if options.lookup:
             fail_safe.attempt(warm_up_lookup)
 

@@ -3,16 +3,10 @@
 """Predicted outputs (OpenAI's `prediction`): a request's own guess of its answer, such as the
 file it asks to edit, followed as the answer is written. Pure: no vLLM.
 
-A `PredictionCursor` stands where the output is in its prediction: each output token that
-equals the prediction's token at the cursor moves it on (a token the output used); any other
-token loses it, and the cursor looks for where the output rejoins the prediction: a place whose
-preceding `REJOIN_TOKENS` tokens equal the output's last ones, the first at or after where the
-cursor was lost (an edit in the middle of a file resumes after the edit, not at an earlier copy
-of the same lines), else the last before it. While it stands somewhere, the prediction's next
-tokens are the row's draft.
-
-The same cursor counts the usage OpenAI reports (`prediction_usage`), from the prediction and
-the output alone, so the counts are the same whatever the batch and whatever was drafted.
+Here: the prediction read from a request and admitted (bounded, tokenized, checked), and the
+usage OpenAI reports, counted by the `prediction_cursor.PredictionCursor` that follows the
+output through its prediction, from the prediction and the output alone, so the counts are the
+same whatever the batch and whatever was drafted.
 """
 
 from __future__ import annotations
@@ -20,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
-
-import numpy as np
 
 # Where a request's prediction travels in its `SamplingParams.extra_args`: an
 # `AdmittedPrediction` from the front end to vLLM's input processor, then its token ids.
@@ -102,98 +94,6 @@ def admitted(text: str, *, encode, limit: int, vocab_size: int) -> AdmittedPredi
     return AdmittedPrediction(ids=tuple(ids))
 
 
-# Output tokens that must equal the prediction's before the cursor rejoins it: one or two
-# tokens (a space, a bracket) recur everywhere in code and prose; three seldom recur by chance.
-REJOIN_TOKENS = 3
-
-
-class PredictionCursor:
-    """Where an output stands in its prediction. Work per output token is bounded whatever the
-    prediction holds: constant where the output follows it, and a few binary searches of an
-    index built once (O(log P)) where the cursor looks for the way back, however often the
-    output's last tokens recur in the prediction. Memory is a few arrays of its length."""
-
-    def __init__(self, tokens: Sequence[int]):
-        self.tokens = np.asarray(tokens, dtype=np.int64)
-        self.position: int | None = 0  # the prediction's token the output's next token should be
-        self.lost_at = 0  # where the cursor last stood before the output departed
-        self.departures = 0  # times the output departed from the prediction
-        self.seen = 0  # output tokens followed so far
-        # Output tokens that equalled the prediction's in a row where the cursor stands (those
-        # that found the way back count): the longer, the likelier the next draft holds, as a
-        # lookup's match length says (`control.acceptance.token_bins`).
-        self.run = 0
-        self.credited = np.zeros(len(self.tokens), dtype=bool)  # prediction tokens the output used
-        # The index: every REJOIN_TOKENS-gram as one exact key (its tokens renumbered densely, so
-        # that the key fits 64 bits whatever the vocabulary), sorted by key, then by position.
-        self._distinct = np.unique(self.tokens)
-        keys = _gram_keys(np.searchsorted(self._distinct, self.tokens), base=len(self._distinct))
-        order = np.argsort(keys, kind="stable")
-        self._keys, self._ends = keys[order], np.arange(REJOIN_TOKENS, len(self.tokens) + 1)[order]
-
-    @property
-    def used(self) -> int:
-        return int(self.credited.sum())
-
-    def follow(self, output: Sequence[int] | np.ndarray) -> None:
-        """Move along the output's tokens not followed yet (`output`: the whole output so far)."""
-        # Only the new tokens and the few before them that a rejoin compares are read, so that
-        # a step costs the same early in a long output as late.
-        start = max(0, self.seen - REJOIN_TOKENS + 1)
-        new = np.asarray(output[start:], dtype=np.int64)
-        for i in range(self.seen - start, len(new)):
-            at = self.position
-            if at is not None and at < len(self.tokens) and self.tokens[at] == new[i]:
-                self.credited[at] = True
-                self.position, self.run = at + 1, self.run + 1
-                continue
-            if at is not None:
-                self.lost_at, self.position, self.departures = at, None, self.departures + 1
-            self.position = self._rejoin(new[max(0, i + 1 - REJOIN_TOKENS) : i + 1])
-            self.run = 0 if self.position is None else REJOIN_TOKENS
-            if self.position is not None:  # the tokens that found the way back were used too
-                self.credited[self.position - REJOIN_TOKENS : self.position] = True
-        self.seen = start + len(new)
-
-    def draft(self, max_tokens: int) -> np.ndarray:
-        """The prediction's next tokens where the cursor stands (none where it is lost)."""
-        if self.position is None or max_tokens <= 0:
-            return self.tokens[:0]
-        return self.tokens[self.position : self.position + max_tokens]
-
-    def _rejoin(self, tail: np.ndarray) -> int | None:
-        """Just after a place where the prediction's tokens equal `tail` (the output's last
-        REJOIN_TOKENS): the first at or after `lost_at`, else the last before it; None if none.
-        Four binary searches, however many places match."""
-        if len(tail) < REJOIN_TOKENS or not len(self._keys):
-            return None
-        dense = np.minimum(np.searchsorted(self._distinct, tail), len(self._distinct) - 1)
-        if (self._distinct[dense] != tail).any():
-            return None  # a token the prediction never holds
-        base = len(self._distinct)
-        key = 0
-        for token in dense.tolist():  # as _gram_keys makes it, without arrays for one gram
-            key = key * base + token
-        lo, hi = np.searchsorted(self._keys, key, "left"), np.searchsorted(self._keys, key, "right")
-        if lo == hi:
-            return None
-        ahead = lo + np.searchsorted(self._ends[lo:hi], self.lost_at, "left")  # places ascend
-        return int(self._ends[ahead] if ahead < hi else self._ends[hi - 1])
-
-
-def _gram_keys(dense: np.ndarray, base: int) -> np.ndarray:
-    """One int64 key per REJOIN_TOKENS-gram of `dense` (tokens renumbered 0..base-1): equal keys
-    are equal grams (a prediction is capped far below the 2**21 distinct tokens that would
-    overflow)."""
-    if len(dense) < REJOIN_TOKENS:
-        return np.zeros(0, dtype=np.int64)
-    windows = np.lib.stride_tricks.sliding_window_view(dense.astype(np.int64), REJOIN_TOKENS)
-    keys = np.zeros(len(windows), dtype=np.int64)
-    for j in range(REJOIN_TOKENS):
-        keys = keys * np.int64(base) + windows[:, j]
-    return keys
-
-
 class PredictionUsage(NamedTuple):
     """OpenAI's `completion_tokens_details` for a request with a prediction: of the prediction's
     tokens, those the output used in order (where the cursor stood, or rejoined), and the rest."""
@@ -216,6 +116,10 @@ def total_usage(prediction: Sequence[int], outputs: Sequence[Sequence[int]]) -> 
 
 
 def prediction_usage(prediction: Sequence[int], output: Sequence[int]) -> PredictionUsage:
+    # (imported here: the cursor is compiled by numba, which a vLLM worker must not import before
+    # vLLM has set the worker up, and this module is loaded with the plugin in every process)
+    from vllm_selfspec.prediction_cursor import PredictionCursor
+
     cursor = PredictionCursor(prediction)
     cursor.follow(output)
     return PredictionUsage(cursor.used, len(cursor.tokens) - cursor.used)

@@ -24,7 +24,7 @@ from vllm_selfspec.control import DraftSource, RowOffer
 from vllm_selfspec.fail_safe import FailSafe, RequestQuarantine, fault_point
 from vllm_selfspec.lookup import NO_DRAFT, UNKNOWN_TENANT, LookupDraft, TenantHistories, lookup_draft
 from vllm_selfspec.options import SelfAdmgOptions
-from vllm_selfspec.prediction import PredictionCursor
+from vllm_selfspec.prediction_cursor import PredictionCursor
 
 Found = tuple[DraftSource, LookupDraft]
 

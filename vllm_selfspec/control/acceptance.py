@@ -21,6 +21,7 @@ import bisect
 import functools
 from dataclasses import dataclass, field
 from enum import Enum
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -176,9 +177,45 @@ def _observe_bins(bins, priors, accepted, bin_accepted, bin_trials, bin_verified
         bin_rates[b] = min(bin_accepted[b] / bin_trials[b], 0.999)
 
 
+AGREEMENT = np.array(AGREEMENT_EDGES)
+
+
+@compiled
+def _lookup_gains(rows, lengths, request, factor, base, one_bin, probs, bin_rates, agreement, *out):
+    """`AcceptanceModel.step_gains`' arithmetic, row by row and token by token, into `out`
+    (planned, estimated, bins, priors; rows x depth): each token's agreement share (its
+    probability over the previous one's) picks its bin, whose learned rate, or else that share,
+    times the request's factor, multiplies the row's gain so far (as `lookup_gains` does)."""
+    planned, estimated, bins, priors = out
+    for r in range(len(rows)):
+        row, gain = rows[r], 1.0
+        for j in range(lengths[r]):
+            share, slot = probs[r, j], 0
+            if not one_bin[r]:
+                share = share / (probs[r, j - 1] if j > 0 else 1.0)
+                slot = 1
+                for edge in agreement:
+                    slot += edge <= share
+            token_bin = base[r] + slot
+            rate = bin_rates[token_bin]
+            gain *= min((share if np.isnan(rate) else rate) * request[r], 0.999)
+            estimated[row, j], planned[row, j] = gain, min(gain * factor[r], 0.999)
+            bins[row, j], priors[row, j] = token_bin, share
+
+
 def warm_up() -> None:
-    """Compile the bins' kernel (or load it from numba's cache) at the engine's start."""
-    AcceptanceModel().observe_draft("warm-up", DraftSource.LOOKUP, 1, 1, Calibration(np.zeros(1, np.int64), np.ones(1)))
+    """Compile the kernels (or load them from numba's cache) at the engine's start."""
+    model = AcceptanceModel()
+    offer = SimpleNamespace(
+        req_id="",
+        lookup_tokens=2,
+        lookup_probs=(0.5, 0.25),
+        lookup_source=DraftSource.LOOKUP,
+        sampled=False,
+        lookup_match=2,
+    )  # (a `planner.RowOffer`'s fields that the gains read)
+    model.step_gains([offer])
+    model.observe_draft("warm-up", DraftSource.LOOKUP, 1, 1, Calibration(np.zeros(1, np.int64), np.ones(1)))
 
 
 def default_rates() -> dict[DraftSource, AcceptanceRate]:
@@ -363,7 +400,7 @@ class AcceptanceModel:
         rows = [i for i, o in enumerate(offers) if o.lookup_tokens]
         if not rows:
             return StepGains(estimated, estimated, bins, priors)
-        # The offers' own fields, a list each; the rest is arrays.
+        # The offers' own fields, a list each; the rest is one kernel over the rows.
         by_source = {s: (self.rates[s].rate, self.estimate_calibration[s].factor, SOURCE_INDEX[s]) for s in LOOKED_UP}
         by_request, fields, padded = self._by_request, [], []
         for i in rows:
@@ -374,27 +411,17 @@ class AcceptanceModel:
             own = by_request.get((offer.req_id, source))
             request = (own.rate if own is not None else rate) / rate
             n, probs = offer.lookup_tokens, offer.lookup_probs
-            fields.append((n, request, factor, index, offer.sampled, offer.lookup_match, not probs))
+            match_bucket = bisect.bisect_right(MATCH_EDGES, offer.lookup_match)
+            base = ((index * 2 + offer.sampled) * MATCH_BUCKETS + match_bucket) * AGREEMENT_SLOTS
+            fields.append((i, n, request, factor, base, not probs))
             # (no probabilities: one bin, its prior the source's rate)
             padded.append(probs[:n] + (1.0,) * (width - n) if probs else (rate,) * width)
-        lengths, request, factor, index, sampled, match, one_bin = (np.array(f) for f in zip(*fields))
-        probs = np.array(padded, dtype=np.float64)
-        match_bucket = np.searchsorted(MATCH_EDGES, match, side="right")
-        base = ((index * 2 + sampled) * MATCH_BUCKETS + match_bucket) * AGREEMENT_SLOTS
-        depth = np.arange(width)
-        inside = depth[None, :] < lengths[:, None]
-        previous = np.concatenate([np.ones((len(rows), 1)), probs[:, :-1]], axis=1)
-        shares = np.where(one_bin[:, None], probs, probs / np.where(inside, previous, 1.0))
-        slots = np.where(one_bin[:, None], 0, 1 + np.searchsorted(AGREEMENT_EDGES, shares, side="right"))
-        ids = base[:, None] + slots
-        learned = self._bin_rates[ids]
-        rates = np.where(np.isnan(learned), shares, learned)
-        gains = np.where(inside, np.multiply.accumulate(np.minimum(rates * request[:, None], 0.999), axis=1), 0.0)
-        estimated[rows, :width] = gains
+        at, lengths, request, factor, base, one_bin = (np.array(f) for f in zip(*fields))
         planned = np.zeros_like(estimated)
-        planned[rows, :width] = np.where(inside, np.minimum(gains * factor[:, None], 0.999), 0.0)
-        bins[rows, :width] = np.where(inside, ids, -1)
-        priors[rows, :width] = np.where(inside, shares, 0.0)
+        _lookup_gains(
+            at, lengths, request, factor, base, one_bin, np.array(padded, dtype=np.float64), self._bin_rates, AGREEMENT,
+            planned, estimated, bins, priors,
+        )  # fmt: skip
         return StepGains(planned, estimated, bins, priors)
 
     def scaled(self, source: str, estimates: list[float]) -> list[float]:

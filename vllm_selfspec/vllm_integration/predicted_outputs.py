@@ -115,6 +115,12 @@ def apply_to_serving() -> None:
     )
     _refuse_reserved_keys_elsewhere()
     _redact_logged_bodies()
+    try:  # (usage is counted by the compiled cursor: compiled at the server's start, not in a request)
+        from vllm_selfspec.prediction_cursor import warm_up as warm_up_prediction_cursor
+
+        warm_up_prediction_cursor()
+    except Exception as err:  # a cursor that cannot compile now is tried again by the first count
+        logger.warning("self-admg: the prediction cursor did not compile at start-up: %r", err)
 
 
 def _refuse_reserved_keys_elsewhere() -> None:
