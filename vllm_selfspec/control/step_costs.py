@@ -144,6 +144,7 @@ class StepCostModel:
     # The step shapes met lately, most recent last: bounded, since a long-running server meets
     # ever more (a shape dropped and met again is charged its set-up once more, a small error).
     _shapes_seen: OrderedDict = field(default_factory=OrderedDict)
+    _target: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (fit, StepCosts)
 
     def observe_step(
         self,
@@ -181,11 +182,17 @@ class StepCostModel:
         return self.self_step.samples > 0
 
     def target(self) -> StepCosts:
-        t0, coef = self.step.coefficients()
-        return StepCosts(t0, *(float(c) for c in coef))
+        fit = self.step.coefficients()
+        if self._target is None or self._target[0] is not fit:  # (asked several times a step)
+            t0, coef = fit
+            self._target = (fit, StepCosts(t0, *(float(c) for c in coef)))
+        return self._target[1]
 
     def self_step_seconds(self, rows: int) -> float:
-        return self.self_step.predict((rows,)) if rows else 0.0
+        if not rows:
+            return 0.0
+        intercept, (per_row,) = self.self_step.coefficients()  # (one feature: `predict` without arrays)
+        return intercept + float(rows * per_row)
 
 
 def pin_step_costs(costs: StepCostModel, *, t0: float, t_row: float, t_verify: float, self_step: float) -> None:
