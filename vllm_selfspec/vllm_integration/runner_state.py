@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class StepRow:
-    """A batch row that sampled a token this step (so it may draft)."""
+class StepRow(NamedTuple):
+    """A batch row that sampled a token this step (so it may draft). (A tuple: every row of
+    every step makes one.)"""
 
     index: int  # row in the runner's input batch
     req_id: str
