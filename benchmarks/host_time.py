@@ -14,7 +14,8 @@ would get, whatever this machine's speed. Workloads:
   lookup      answers that copy their prompts with edits (code edits, summaries);
   prediction  the same, each request sending its answer, edited, as OpenAI's `prediction`;
   history     answers copied from earlier outputs, in a --history-token pool shared by
-              unsalted requests (`lookup_history_unsalted`).
+              unsalted requests (`lookup_history_unsalted`), another request's output of 256
+              tokens joining it each step (a busy server's requests ending).
 Needs numpy, numba and scipy, not vLLM: vLLM's `ngram` proposer is run where vLLM is installed,
 or from a copy of its source file (--ngram-source) where it is not, a GPU host say.
 
@@ -184,11 +185,14 @@ def run_ours(
     warm_up: int,
     options: dict,
     history,
+    finishing: list | None = None,
     plans: list | None = None,
     lookup_seconds_per_row: float | None = None,
 ) -> Measured:
     """The pipeline as the proposer drives it each step (`DraftPipeline.propose`), minus
-    self-drafting (which needs the model). `plans`: each step's plan and drafts are appended
+    self-drafting (which needs the model). `finishing`: outputs of other requests, one ending
+    each step (its output kept in the shared history, in the step's time, as the proposer keeps
+    it when vLLM drops the request). `plans`: each step's plan and drafts are appended
     to it; `lookup_seconds_per_row`: what the lookup gate is told lookups cost, instead of
     their time (so that plans replay exactly, tests/test_replayed_plans.py)."""
     pipeline = DraftPipeline(make_options(options), k, FailSafe())
@@ -215,6 +219,8 @@ def run_ours(
         parts = measured.parts if step_index >= warm_up else {}
         start = time.perf_counter()
         pipeline.begin_step(note if step_index == 0 else SchedulerNote(), runner.requests)
+        if finishing:
+            pipeline.lookup.history.add(None, finishing[step_index % len(finishing)])
         step = StepView(runner, output, sampled, pipeline.request_facts)
         made.clear()
         drafts = pipeline.propose(step, PartClock(parts), probed=(), warmed_up=True, draft=lookup_drafts)
@@ -295,7 +301,8 @@ def main(argv=None) -> Path:
                 made = {"context": args.context, "answer": answer, "history": pool, "seed": round_}
                 run = {"k": args.k, "steps": args.steps, "warm_up": args.warm_up}
                 runner = MockedRunner(make_rows(workload, batch, **made), answer)
-                ours = run_ours(runner, options=options, history=history if workload == "history" else None, **run)
+                earlier = history if workload == "history" else None
+                ours = run_ours(runner, options=options, history=earlier, finishing=earlier, **run)
                 runner = MockedRunner(make_rows(workload, batch, **made), answer)  # (the same rows, anew)
                 theirs = run_ngram(ngram, runner, **run) if ngram is not None else None
                 rows.append(result_row(round_, workload, batch, args.steps, ours, theirs))

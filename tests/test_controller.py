@@ -156,8 +156,8 @@ def test_a_flood_of_fresh_salts_stays_bounded_and_spares_a_returning_tenant():
     finally:
         tracemalloc.stop()
     assert histories.tenants == tenants and len(histories) <= max_tokens
-    # docs/operating.md: tokens x 24 B (the tokens and their index) + ~2 kB a tenant
-    assert held < max_tokens * 24 + tenants * 2048, held
+    # docs/operating.md: tokens x 32 B (the tokens and their index) + ~2 kB a tenant
+    assert held < max_tokens * 32 + tenants * 2048, held
     draft = histories.pool("regular").draft(np.array([7, *range(100, 106)]), 4, 24)
     assert draft.tokens.tolist() == [106, 107, 108, 109]
 
@@ -205,31 +205,37 @@ def test_output_history_counts_earlier_outputs_and_drops_the_oldest_whole():
 
 
 def test_a_historys_index_finds_what_a_scan_of_it_finds():
-    """The history's `TokenIndex`, kept up to date as outputs come and the oldest go, equals an
-    index built afresh, finds the occurrences a scan back finds (under any cap), and so drafts
-    what a scan of the history drafts; small vocabularies make long matches and many ties."""
-    from vllm_selfspec.lookup import TokenIndex, _indexed_occurrences, _recent_occurrences
+    """The history's `TokenIndex`, kept up to date as outputs come and the oldest go (some
+    dropped entries kept until a compaction), holds what a sort of the history holds, finds the
+    occurrences a scan back finds (under any cap), and so drafts what a scan of the history
+    drafts; small vocabularies make long matches and many ties."""
+    from vllm_selfspec.lookup import _indexed_occurrences, _recent_occurrences
 
     rng = np.random.default_rng(3)
-    drafts = 0
+    drafts = compactions = 0
     for _ in range(200):
         history = OutputHistory(max_tokens=int(rng.integers(8, 300)))
         vocabulary = int(rng.integers(2, 12))
         for _ in range(int(rng.integers(1, 30))):
             history.add(rng.integers(0, vocabulary, int(rng.integers(0, 40))))
-            fresh = TokenIndex.of(history.tokens)
-            assert history.index.tokens.tolist() == fresh.tokens.tolist()
-            assert history.index.positions.tolist() == fresh.positions.tolist()
+            order = np.argsort(history.tokens, kind="stable")
+            order = order[history.tokens[order] != SEPARATOR]
+            live_tokens, live_positions = history.index.live()
+            assert live_tokens.tolist() == history.tokens[order].tolist()
+            assert live_positions.tolist() == order.tolist()
+            index = history.index
+            compactions += index.dropped_since_compaction == 0 and index.offset > 0
+            assert 3 * len(index.positions) <= 4 * len(live_positions)  # (dropped entries: a quarter at most)
             for _ in range(5):
                 token, limit, cap = int(rng.integers(0, vocabulary)), len(history) - 1, int(rng.integers(1, 20))
-                found = _indexed_occurrences(history.index.tokens, history.index.positions, limit, token, cap)
+                found = _indexed_occurrences(index.tokens, index.positions, index.offset, limit, token, cap)
                 assert found.tolist() == _recent_occurrences(history.tokens, limit, token, cap).tolist()
                 context = rng.integers(0, vocabulary, int(rng.integers(1, 30)))
                 k, match = int(rng.integers(1, 8)), int(rng.integers(1, 30))
                 got, want = history.draft(context, k, match), suffix_draft(context, k, history.tokens, match)
                 assert (got.tokens.tolist(), got.probs, got.match) == (want.tokens.tolist(), want.probs, want.match)
                 drafts += len(got) > 0
-    assert drafts > 3000
+    assert drafts > 3000 and compactions > 100
 
 
 def test_lookup_draft_takes_the_better_of_own_context_and_history():
@@ -1370,12 +1376,15 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
         for _ in range(rng.randint(0, 60)):
             # (drafts like the step's, of other requests or its own: they fill the same bins)
             o = dataclasses.replace(rng.choice(offers), req_id=rng.choice(["other", "r1"]))
+            if rng.random() < 0.05:  # (a request ends: its own trust goes)
+                acceptance.forget(o.req_id)
             if o.lookup_tokens:
                 estimated, accepted = sum(acceptance.lookup_gains(o, scaled=False)), rng.randint(0, o.lookup_tokens)
+                verified = rng.randint(max(accepted, 1), o.lookup_tokens)  # (verification may cut a draft short)
                 bins = acceptance.calibration(o)
-                acceptance.observe_draft(o.req_id, o.lookup_source, o.lookup_tokens, accepted, bins, estimated)
+                acceptance.observe_draft(o.req_id, o.lookup_source, verified, accepted, bins, estimated)
                 for j, (token_bin, prior) in enumerate(zip(*bins)):
-                    if j <= accepted:  # (the accepted tokens and the first rejected)
+                    if j <= accepted and j < verified:  # (the accepted tokens and the first rejected)
                         rate = by_bin.setdefault(token_bin, AcceptanceRate(prior=min(prior, 0.999)))
                         rate.observe(1, int(j < accepted))
                 learned_bins = np.flatnonzero(acceptance._bin_verified).tolist()

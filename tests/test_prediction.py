@@ -407,6 +407,7 @@ def test_the_compiled_cursor_follows_as_the_rule_token_by_token_would():
         vocabulary = int(rng.integers(2, 8))
         prediction = rng.integers(0, vocabulary, int(rng.integers(1, 60))).tolist()
         output = [t if rng.random() < 0.8 else int(rng.integers(0, vocabulary + 1)) for t in prediction]
+        output += rng.integers(0, vocabulary + 1, int(rng.integers(0, 6))).tolist()  # (past the prediction's end)
         cursor = PredictionCursor(prediction)
         position, run, lost_at, gone, used, followed = 0, 0, 0, 0, set(), 0  # (the reference's)
         while followed < len(output):

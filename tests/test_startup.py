@@ -5,6 +5,7 @@ self-admg, and the proposer checks the version and the refusals again when the e
 so no spelling of the method gets around them. No engine is started here."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -128,7 +129,11 @@ def test_the_plugin_loads_no_compiled_kernels_into_a_process_vllm_has_not_set_up
     kernels come with the proposer, after the worker's set-up."""
     probe = (
         "import sys, vllm_selfspec.plugin as plugin; plugin.register(); "
-        "print('LOADED', sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))"
+        "from vllm_selfspec.vllm_integration.patching import applied; "
+        "print('PATCHED', len(applied()), 'LOADED', sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))"
     )
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert "LOADED []" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    patched = re.search(r"PATCHED (\d+) LOADED (.*)", run.stdout)
+    assert patched, run.stdout[-2000:] + run.stderr[-2000:]
+    assert int(patched[1]) > 5, "the plugin did not apply its patches: nothing was loaded to check"
+    assert patched[2] == "[]", patched[2]

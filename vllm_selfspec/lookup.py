@@ -76,7 +76,8 @@ def suffix_draft(
     if index is None:
         tokens, probs, match = _suffix_draft(context, corpus, *args)
     else:
-        tokens, probs, match = _indexed_suffix_draft(context, corpus, index.tokens, index.positions, *args)
+        searched = (index.tokens, index.positions, index.offset)
+        tokens, probs, match = _indexed_suffix_draft(context, corpus, searched, *args)
     return LookupDraft(tokens, tuple(probs.tolist()), match) if len(tokens) else NO_DRAFT
 
 
@@ -84,29 +85,39 @@ def suffix_draft(
 class TokenIndex:
     """A corpus's positions sorted by the token they hold (ascending positions among equal
     tokens), separators left out: where a token occurs, in two binary searches rather than a
-    scan of the corpus. Kept up to date as the corpus grows at its end and loses its start."""
+    scan of the corpus. Kept up to date as the corpus grows at its end (a merge, linear in the
+    index) and loses its start. Positions count from the corpus's first token ever: those below
+    `offset` went with the oldest outputs and are skipped by every search, until they are a
+    quarter of the index and a compaction drops them (dropping an output costs no pass)."""
 
     tokens: np.ndarray  # int64, sorted
     positions: np.ndarray  # int64, where each occurs
-
-    @staticmethod
-    def of(corpus: np.ndarray) -> TokenIndex:
-        return TokenIndex.empty().appended(corpus, 0)
+    offset: int = 0  # tokens dropped from the corpus's start so far
+    dropped_since_compaction: int = 0  # (separators too: at least the dead entries)
 
     @staticmethod
     def empty() -> TokenIndex:
         return TokenIndex(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
     def appended(self, tokens: np.ndarray, at: int) -> TokenIndex:
-        """The index with `tokens` added at positions `at`, `at` + 1, ... (past every position
-        indexed): a merge, linear in the index, not a sort of it."""
+        """The index with `tokens` added at corpus positions `at`, `at` + 1, ... (past every
+        position indexed)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        return TokenIndex(*_index_appended(self.tokens, self.positions, tokens, int(at)))
+        merged = _index_appended(self.tokens, self.positions, tokens, int(at) + self.offset)
+        return TokenIndex(*merged, self.offset, self.dropped_since_compaction)
 
     def dropped(self, cut: int) -> TokenIndex:
-        """The index once the corpus's first `cut` tokens are gone (positions shift down)."""
-        kept = self.positions >= cut
-        return TokenIndex(self.tokens[kept], self.positions[kept] - cut)
+        """The index once the corpus's first `cut` tokens are gone."""
+        offset, dead = self.offset + cut, self.dropped_since_compaction + cut
+        if 4 * dead <= len(self.positions):
+            return TokenIndex(self.tokens, self.positions, offset, dead)
+        kept = self.positions >= offset
+        return TokenIndex(self.tokens[kept], self.positions[kept], offset, 0)
+
+    def live(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, corpus positions) of the entries not dropped, in index order."""
+        kept = self.positions >= self.offset
+        return self.tokens[kept], self.positions[kept] - self.offset
 
 
 # Bounds on one lookup's work, whatever the context or history. A context of one repeated token
@@ -167,13 +178,14 @@ def _index_appended(tokens, positions, added, at):
 
 
 @compiled
-def _indexed_occurrences(index_tokens, index_positions, limit, token, cap):
+def _indexed_occurrences(index_tokens, index_positions, offset, limit, token, cap):
     """`_recent_occurrences` by a `TokenIndex`: the same positions, found by binary search."""
     lo = np.searchsorted(index_tokens, token, side="left")
     hi = np.searchsorted(index_tokens, token, side="right")
-    positions = index_positions[lo:hi]
-    last = np.searchsorted(positions, limit, side="left")  # (positions before `limit`)
-    return positions[max(0, last - cap) : last].copy()
+    positions = index_positions[lo:hi]  # (ascending)
+    first = np.searchsorted(positions, offset, side="left")  # (those dropped skipped)
+    last = np.searchsorted(positions, limit + offset, side="left")  # (those before `limit`)
+    return positions[max(first, last - cap) : last] - offset
 
 
 # Every lookup runs on the step's critical path, for every row, over up to the whole history:
@@ -191,12 +203,13 @@ def _suffix_draft(context, corpus, max_tokens, max_match, min_prob):
 
 
 @compiled
-def _indexed_suffix_draft(context, corpus, index_tokens, index_positions, max_tokens, max_match, min_prob):
-    """`_suffix_draft` with the occurrences of the last token found by the corpus's index."""
+def _indexed_suffix_draft(context, corpus, index, max_tokens, max_match, min_prob):
+    """`_suffix_draft` with the occurrences of the last token found by the corpus's index
+    (`index`: a `TokenIndex`'s tokens, positions and offset)."""
     n, limit = len(context), len(corpus) - 1
     if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0
-    ends = _indexed_occurrences(index_tokens, index_positions, limit, context[n - 1], MAX_OCCURRENCES_SCANNED)
+    ends = _indexed_occurrences(*index, limit, context[n - 1], MAX_OCCURRENCES_SCANNED)
     return _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob)
 
 
@@ -279,7 +292,7 @@ class OutputHistory:
     output owns the separator before it; their sizes are kept, so that dropping the oldest
     outputs costs one slice however many go, never a scan of the history. Its `TokenIndex` is
     kept beside it, so that every row's lookup in every step finds the occurrences of its last
-    token without a scan of the history (each output added or dropped costs a merge instead).
+    token without a scan of the history (each output added costs a merge instead).
     """
 
     def __init__(self, max_tokens: int):
@@ -293,8 +306,9 @@ class OutputHistory:
 
     def add(self, output: np.ndarray) -> None:
         output = np.asarray(output, dtype=np.int64)
-        self.index = self.index.appended(output, len(self.tokens))
-        self.tokens = np.concatenate([self.tokens, output, [SEPARATOR]])
+        index = self.index.appended(output, len(self.tokens))
+        tokens = np.concatenate([self.tokens, output, [SEPARATOR]])
+        self.index, self.tokens = index, tokens  # (both or neither, should either raise)
         self._sizes.append(len(output) + 1)
         self.drop(len(self.tokens) - self.max_tokens)
 
@@ -327,7 +341,7 @@ class TenantHistories:
     costs no more than a short one.
 
     Bounded twice: all pools together hold at most `max_tokens` token ids (8 bytes each,
-    separators included), and at most `max_tenants` pools exist. When either bound is passed,
+    separators included, and at most 24 more each for their index), and at most `max_tenants` pools exist. When either bound is passed,
     room is made in a segmented least-recently-used order (SLRU, the usual defence of a cache
     against one-off scans): first the newcomers' pools (tenants with one output so far), then
     the returning tenants' (two or more). A flood of one-shot salts therefore only churns the

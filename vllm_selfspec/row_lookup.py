@@ -62,8 +62,8 @@ class RowLookup:
         return self.tenants.get(req_id, UNKNOWN_TENANT)
 
     def allowed(self, step, row) -> bool:
-        """Whether the row's request is out of quarantine (checked again per row: a request
-        blamed earlier in the step may have a twin in it, n > 1 or a resent prompt)."""
+        """Whether the row's request is out of quarantine: neither blamed itself nor a twin of
+        one blamed (n > 1, or its prompt resent within its tenant)."""
         return self.quarantine.allows(row.req_id, lambda: (self.tenant(row.req_id), step.prompt(row.index)))
 
     def budgets(self, step, rows, k: int) -> list[int]:

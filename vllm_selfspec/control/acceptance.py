@@ -310,6 +310,9 @@ class AcceptanceModel:
         tried = min(accepted + 1, drafted)  # the accepted tokens and the first rejected
         if tried > 0 and len(calibration.bins):
             bins, priors = calibration.bins[:tried], calibration.priors[:tried]
+            # (the kernel checks no bounds: a bin past the arrays must raise here, not write there)
+            if len(bins) != len(priors) or bins.max() >= NUM_BINS or bins.min() < -1:
+                raise ValueError(f"a calibration of {len(bins)} bins and {len(priors)} priors, ids outside the bins")
             arrays = (self._bin_accepted, self._bin_trials, self._bin_verified, self._bin_rates)
             _observe_bins(bins, priors, accepted, *arrays, BIN_DECAY)
 

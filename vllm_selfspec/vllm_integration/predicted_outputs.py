@@ -115,12 +115,6 @@ def apply_to_serving() -> None:
     )
     _refuse_reserved_keys_elsewhere()
     _redact_logged_bodies()
-    try:  # (usage is counted by the compiled cursor: compiled at the server's start, not in a request)
-        from vllm_selfspec.prediction_cursor import warm_up as warm_up_prediction_cursor
-
-        warm_up_prediction_cursor()
-    except Exception as err:  # a cursor that cannot compile now is tried again by the first count
-        logger.warning("self-admg: the prediction cursor did not compile at start-up: %r", err)
 
 
 def _refuse_reserved_keys_elsewhere() -> None:
@@ -308,8 +302,10 @@ def _with_prediction_ids(processor, extra: dict) -> dict:
 
 # ---- the usage ----------------------------------------------------------------------------------
 # Counted on a worker thread, not on the event loop that serves every other request: a count
-# follows the whole output through its prediction (bounded, `prediction.PredictionCursor`, but
-# the longer both are, the longer it takes).
+# follows the whole output through its prediction (bounded, `prediction_cursor.PredictionCursor`,
+# but the longer both are, the longer it takes). The cursor is compiled by numba, loaded at the
+# first count, not at start-up: numba loaded before a CPU worker that shares this process is set
+# up makes that worker fail its start.
 
 
 def _prediction_of(request) -> list[int] | None:
