@@ -341,13 +341,14 @@ class TenantHistories:
     costs no more than a short one.
 
     Bounded twice: all pools together hold at most `max_tokens` token ids (8 bytes each,
-    separators included, and at most 24 more each for their index), and at most `max_tenants` pools exist. When either bound is passed,
-    room is made in a segmented least-recently-used order (SLRU, the usual defence of a cache
-    against one-off scans): first the newcomers' pools (tenants with one output so far), then
-    the returning tenants' (two or more). A flood of one-shot salts therefore only churns the
-    newcomers, and a tenant that keeps coming back keeps its history. Returning tenants hold at
-    most `RETURNING_SHARE` of the pools, so that a newcomer can still come back and stay.
-    Adding costs a copy of the tenant's own pool and the outputs dropped."""
+    separators included, and about 22 more each for their index), and at most `max_tenants`
+    pools exist. When either bound is passed, room is made in a segmented least-recently-used
+    order (SLRU, the usual defence of a cache against one-off scans): first the newcomers'
+    pools (tenants with one output so far), then the returning tenants' (two or more). A flood
+    of one-shot salts therefore only churns the newcomers, and a tenant that keeps coming back
+    keeps its history. Returning tenants hold at most `RETURNING_SHARE` of the pools, so that a
+    newcomer can still come back and stay. Adding costs a copy of the tenant's own pool and a
+    merge into its index."""
 
     RETURNING_SHARE = 0.75
 
