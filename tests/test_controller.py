@@ -212,7 +212,7 @@ def test_a_historys_index_finds_what_a_scan_of_it_finds():
     from vllm_selfspec.lookup import _indexed_occurrences, _recent_occurrences
 
     rng = np.random.default_rng(3)
-    drafts = compactions = 0
+    drafts = compactions = merges = 0
     for _ in range(200):
         history = OutputHistory(max_tokens=int(rng.integers(8, 300)))
         vocabulary = int(rng.integers(2, 12))
@@ -225,17 +225,18 @@ def test_a_historys_index_finds_what_a_scan_of_it_finds():
             assert live_positions.tolist() == order.tolist()
             index = history.index
             compactions += index.dropped_since_compaction == 0 and index.offset > 0
-            assert 3 * len(index.positions) <= 4 * len(live_positions)  # (dropped entries: a quarter at most)
+            merges += len(index.recent[0]) == 0 and len(index.base[0]) > 0
+            assert 3 * len(index) <= 4 * len(live_positions)  # (dropped entries: a quarter at most)
             for _ in range(5):
                 token, limit, cap = int(rng.integers(0, vocabulary)), len(history) - 1, int(rng.integers(1, 20))
-                found = _indexed_occurrences(index.tokens, index.positions, index.offset, limit, token, cap)
+                found = _indexed_occurrences(*index.searched(), limit, token, cap)
                 assert found.tolist() == _recent_occurrences(history.tokens, limit, token, cap).tolist()
                 context = rng.integers(0, vocabulary, int(rng.integers(1, 30)))
                 k, match = int(rng.integers(1, 8)), int(rng.integers(1, 30))
                 got, want = history.draft(context, k, match), suffix_draft(context, k, history.tokens, match)
                 assert (got.tokens.tolist(), got.probs, got.match) == (want.tokens.tolist(), want.probs, want.match)
                 drafts += len(got) > 0
-    assert drafts > 3000 and compactions > 100
+    assert drafts > 3000 and compactions > 100 and merges > 100
 
 
 def test_lookup_draft_takes_the_better_of_own_context_and_history():

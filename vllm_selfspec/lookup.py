@@ -76,8 +76,7 @@ def suffix_draft(
     if index is None:
         tokens, probs, match = _suffix_draft(context, corpus, *args)
     else:
-        searched = (index.tokens, index.positions, index.offset)
-        tokens, probs, match = _indexed_suffix_draft(context, corpus, searched, *args)
+        tokens, probs, match = _indexed_suffix_draft(context, corpus, index.searched(), *args)
     return LookupDraft(tokens, tuple(probs.tolist()), match) if len(tokens) else NO_DRAFT
 
 
@@ -85,39 +84,59 @@ def suffix_draft(
 class TokenIndex:
     """A corpus's positions sorted by the token they hold (ascending positions among equal
     tokens), separators left out: where a token occurs, in two binary searches rather than a
-    scan of the corpus. Kept up to date as the corpus grows at its end (a merge, linear in the
-    index) and loses its start. Positions count from the corpus's first token ever: those below
-    `offset` went with the oldest outputs and are skipped by every search, until they are a
-    quarter of the index and a compaction drops them (dropping an output costs no pass)."""
+    scan of the corpus. Kept up to date as the corpus grows at its end and loses its start:
+    - two parts, `base` and `recent` ((tokens, positions) each): an output is merged into the
+      small recent part, which is merged into the base once it holds an eighth of it, so that
+      adding an output costs about an eighth of a merge of the whole index (every position in
+      the recent part is past every one in the base);
+    - positions count from the corpus's first token ever: those below `offset` went with the
+      oldest outputs and are skipped by every search, until they are a quarter of the index and
+      a compaction drops them (dropping an output costs no pass)."""
 
-    tokens: np.ndarray  # int64, sorted
-    positions: np.ndarray  # int64, where each occurs
+    base: tuple[np.ndarray, np.ndarray]  # int64 tokens, sorted; int64 positions
+    recent: tuple[np.ndarray, np.ndarray]
     offset: int = 0  # tokens dropped from the corpus's start so far
     dropped_since_compaction: int = 0  # (separators too: at least the dead entries)
 
     @staticmethod
     def empty() -> TokenIndex:
-        return TokenIndex(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        nothing = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        return TokenIndex(nothing, nothing)
+
+    def __len__(self) -> int:
+        return len(self.base[0]) + len(self.recent[0])
 
     def appended(self, tokens: np.ndarray, at: int) -> TokenIndex:
         """The index with `tokens` added at corpus positions `at`, `at` + 1, ... (past every
         position indexed)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        merged = _index_appended(self.tokens, self.positions, tokens, int(at) + self.offset)
-        return TokenIndex(*merged, self.offset, self.dropped_since_compaction)
+        recent = _index_appended(*self.recent, tokens, int(at) + self.offset)
+        base = self.base
+        if 8 * len(recent[0]) > len(base[0]):
+            base, recent = _index_appended(*base, recent[0], 0, recent[1]), TokenIndex.empty().recent
+        return TokenIndex(base, recent, self.offset, self.dropped_since_compaction)
 
     def dropped(self, cut: int) -> TokenIndex:
         """The index once the corpus's first `cut` tokens are gone."""
         offset, dead = self.offset + cut, self.dropped_since_compaction + cut
-        if 4 * dead <= len(self.positions):
-            return TokenIndex(self.tokens, self.positions, offset, dead)
-        kept = self.positions >= offset
-        return TokenIndex(self.tokens[kept], self.positions[kept], offset, 0)
+        if 4 * dead <= len(self):
+            return TokenIndex(self.base, self.recent, offset, dead)
+        kept = tuple(
+            (tokens[positions >= offset], positions[positions >= offset])
+            for tokens, positions in (self.base, self.recent)
+        )
+        return TokenIndex(*kept, offset, 0)
+
+    def searched(self) -> tuple:
+        """What `_indexed_occurrences` takes."""
+        return (*self.base, *self.recent, self.offset)
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, corpus positions) of the entries not dropped, in index order."""
-        kept = self.positions >= self.offset
-        return self.tokens[kept], self.positions[kept] - self.offset
+        """(tokens, corpus positions) of the entries not dropped, by token, then position."""
+        tokens, positions = (np.concatenate(pair) for pair in zip(self.base, self.recent))
+        kept = positions >= self.offset
+        order = np.lexsort((positions[kept], tokens[kept]))
+        return tokens[kept][order], positions[kept][order] - self.offset
 
 
 # Bounds on one lookup's work, whatever the context or history. A context of one repeated token
@@ -155,10 +174,14 @@ def _longest_matches(ends, lengths, cap):
 
 
 @compiled
-def _index_appended(tokens, positions, added, at):
+def _index_appended(tokens, positions, added, at, added_positions=None):
     """`TokenIndex.appended`: `added`'s tokens sorted (stable: ascending positions among equal
-    tokens), separators left out, merged in after the equal tokens already indexed."""
-    order = np.argsort(added, kind="mergesort")
+    tokens), separators left out, merged in after the equal tokens already indexed; at
+    positions `at` + their index in `added`, or `added_positions` (ascending by token then)."""
+    if added_positions is None:
+        order = np.argsort(added, kind="mergesort")
+    else:
+        order = np.arange(len(added))
     kept = 0
     for j in range(len(order)):
         if added[order[j]] != SEPARATOR:
@@ -172,20 +195,30 @@ def _index_appended(tokens, positions, added, at):
             merged_tokens[k], merged_positions[k] = tokens[i], positions[i]
             i += 1
         else:
-            merged_tokens[k], merged_positions[k] = added[order[j]], at + order[j]
+            where = at + order[j] if added_positions is None else added_positions[order[j]]
+            merged_tokens[k], merged_positions[k] = added[order[j]], where
             j += 1
     return merged_tokens, merged_positions
 
 
 @compiled
-def _indexed_occurrences(index_tokens, index_positions, offset, limit, token, cap):
+def _occurrences_in(tokens, positions, offset, limit, token):
+    """The positions of `token` in one part of a `TokenIndex` not dropped and before `limit`
+    (ascending)."""
+    run = positions[np.searchsorted(tokens, token, side="left") : np.searchsorted(tokens, token, side="right")]
+    first = np.searchsorted(run, offset, side="left")  # (those dropped skipped)
+    return run[first : np.searchsorted(run, limit + offset, side="left")]
+
+
+@compiled
+def _indexed_occurrences(base_tokens, base_positions, recent_tokens, recent_positions, offset, limit, token, cap):
     """`_recent_occurrences` by a `TokenIndex`: the same positions, found by binary search."""
-    lo = np.searchsorted(index_tokens, token, side="left")
-    hi = np.searchsorted(index_tokens, token, side="right")
-    positions = index_positions[lo:hi]  # (ascending)
-    first = np.searchsorted(positions, offset, side="left")  # (those dropped skipped)
-    last = np.searchsorted(positions, limit + offset, side="left")  # (those before `limit`)
-    return positions[max(first, last - cap) : last] - offset
+    recent = _occurrences_in(recent_tokens, recent_positions, offset, limit, token)
+    if len(recent) >= cap:
+        return recent[len(recent) - cap :] - offset
+    base = _occurrences_in(base_tokens, base_positions, offset, limit, token)
+    base = base[max(0, len(base) - (cap - len(recent))) :]
+    return np.concatenate((base, recent)) - offset
 
 
 # Every lookup runs on the step's critical path, for every row, over up to the whole history:
@@ -205,7 +238,7 @@ def _suffix_draft(context, corpus, max_tokens, max_match, min_prob):
 @compiled
 def _indexed_suffix_draft(context, corpus, index, max_tokens, max_match, min_prob):
     """`_suffix_draft` with the occurrences of the last token found by the corpus's index
-    (`index`: a `TokenIndex`'s tokens, positions and offset)."""
+    (`index`: `TokenIndex.searched`)."""
     n, limit = len(context), len(corpus) - 1
     if n == 0 or limit <= 0 or max_tokens <= 0 or max_match <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0
