@@ -218,6 +218,11 @@ class RequestQuarantine:
         self.prompts: OrderedDict[bytes, None] = OrderedDict()
         self._digests: dict[str, bytes] = {}  # live requests' prompt digests, once any prompt is quarantined
 
+    @property
+    def empty(self) -> bool:
+        """Whether no request and no prompt is quarantined (then every request is allowed)."""
+        return not self.requests and not self.prompts
+
     def allows(self, req_id: str, tenant_and_prompt: Callable[[], tuple]) -> bool:
         if req_id in self.requests:
             return False

@@ -65,10 +65,10 @@ class StepLessons:
             self.counters.steps_timed += 1
         self.step_end = None
         accepted = None
-        if follows_last_call:  # (every row accepted nothing but those that drafted, learned in the step's order)
-            accepted = dict.fromkeys((row.req_id for row in step.rows), 0)
-            for row in (row for row in step.rows if row.req_id in self.drafted) if self.drafted else ():
-                accepted[row.req_id] = self._learn_row(step, row)
+        if follows_last_call:  # (a row that drafted nothing accepted nothing: it costs no lesson)
+            accepted = {
+                row.req_id: self._learn_row(step, row) if row.req_id in self.drafted else 0 for row in step.rows
+            }
         # The per-row rule's ledger settles the step as planned only if it ran as planned: every
         # draft verified whole (a step beside a prefill, whose drafts the scheduler withheld,
         # cost what a plain one does, not what was planned).

@@ -69,9 +69,8 @@ class RowLookup:
     def budgets(self, step, rows, k: int) -> list[int]:
         """Each row's draft budget of at most k tokens: 0 for a row whose sampling only the plain
         sampler applies, or whose request is in quarantine (none is, mostly: then no row asks)."""
-        if not self.quarantine.requests and not self.quarantine.prompts:
-            return [row.draft_budget(k) if row.may_draft else 0 for row in rows]
-        return [row.draft_budget(k) if row.may_draft and self.allowed(step, row) else 0 for row in rows]
+        nobody = self.quarantine.empty
+        return [row.draft_budget(k) if row.may_draft and (nobody or self.allowed(step, row)) else 0 for row in rows]
 
     def find(self, step, rows, budgets: list[int], look_up: bool) -> list[Found]:
         """Each row's draft: its prediction's or its best lookup draft if `look_up`, whichever

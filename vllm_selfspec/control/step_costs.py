@@ -96,6 +96,8 @@ class LinearCost:
 
     def predict(self, features) -> float:
         intercept, coef = self.coefficients()
+        if len(features) == 1:  # (a self-draft step's, asked several times a step: no arrays)
+            return intercept + float(features[0] * coef[0])
         return intercept + float(np.asarray(features, dtype=np.float64) @ coef)
 
     @property
@@ -189,10 +191,7 @@ class StepCostModel:
         return self._target[1]
 
     def self_step_seconds(self, rows: int) -> float:
-        if not rows:
-            return 0.0
-        intercept, (per_row,) = self.self_step.coefficients()  # (one feature: `predict` without arrays)
-        return intercept + float(rows * per_row)
+        return self.self_step.predict((rows,)) if rows else 0.0
 
 
 def pin_step_costs(costs: StepCostModel, *, t0: float, t_row: float, t_verify: float, self_step: float) -> None:
