@@ -10,7 +10,7 @@ import pytest
 
 from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer
 from vllm_selfspec.control.acceptance import AcceptanceModel, token_bins
-from vllm_selfspec.lookup import SEPARATOR, OutputHistory, lookup_draft, suffix_draft
+from vllm_selfspec.lookup import SEPARATOR, OutputHistory, context_drafts, lookup_draft, suffix_draft
 
 from reference import numpy_suffix_draft
 
@@ -72,6 +72,29 @@ def test_the_compiled_lookup_drafts_what_the_rule_in_numpy_drafts():
             drafts += len(got) > 0
             long_matches += got.match >= 8
     assert drafts > 1000 and long_matches > 20  # mostly drafts compared, some of long matches
+
+
+def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
+    """`context_drafts` reads the rows in place, as vLLM holds them, and looks up again, for
+    the full budget, a capped draft that copies (`RowLookup._lookup`'s rule)."""
+    rng = np.random.default_rng(1)
+    copies = 0
+    for _ in range(300):
+        batch, width = int(rng.integers(1, 9)), int(rng.integers(4, 300))
+        token_ids = rng.integers(0, rng.integers(2, 40), (batch + 2, width)).astype(rng.choice([np.int32, np.int64]))
+        rows = rng.choice(batch + 2, batch, replace=False).tolist()
+        lengths = rng.integers(0, width + 1, batch).tolist()
+        full = rng.integers(0, 12, batch)
+        capped, match = np.minimum(full, rng.integers(0, 12, batch)).tolist(), int(rng.integers(1, 8))
+        got = context_drafts(token_ids, rows, lengths, capped, full_budgets=full.tolist(), max_match=match)
+        for draft, row, length, budget, whole in zip(got, rows, lengths, capped, full.tolist()):
+            want = suffix_draft(token_ids[row, :length], budget, max_match=match)
+            if budget < whole and want.match >= match:
+                want, copies = suffix_draft(token_ids[row, :length], whole, max_match=match), copies + 1
+            assert (draft.tokens.tolist(), draft.probs, draft.match) == (want.tokens.tolist(), want.probs, want.match)
+    assert copies > 50
+    with pytest.raises(IndexError):  # (the kernel reads in place: a row outside the batch must not be read)
+        context_drafts(np.zeros((2, 4), dtype=np.int32), [2], [4], [1])
 
 
 def test_lookup_work_is_bounded_by_its_caps_whatever_the_context():

@@ -308,10 +308,58 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
     return best_tokens, best_probs, best_match
 
 
+@compiled
+def _context_drafts(token_ids, rows, max_match, min_prob, tokens, probs, out):
+    """`_suffix_draft` of each row's own context: `rows` holds, per row, its row of
+    `token_ids`, its context's length, its budget and its full budget; a draft that copies (its
+    match is `max_match` long) is looked up again with the full budget. Into `tokens` and
+    `probs` (rows x width) and `out` (rows x 2: tokens drafted, match length)."""
+    for r in range(len(rows)):
+        row, length, budget, full_budget = rows[r]
+        if row < 0 or row >= token_ids.shape[0] or max(budget, full_budget) > tokens.shape[1]:
+            raise IndexError("a row outside the batch, or a budget past the drafts' width")
+        context = token_ids[row, : max(0, min(length, token_ids.shape[1]))]
+        drafted, shares, match = _suffix_draft(context, context, budget, max_match, min_prob)
+        if budget < full_budget and match >= max_match:
+            drafted, shares, match = _suffix_draft(context, context, full_budget, max_match, min_prob)
+        n = len(drafted)
+        tokens[r, :n], probs[r, :n] = drafted, shares
+        out[r, 0], out[r, 1] = n, match
+
+
+def context_drafts(
+    token_ids: np.ndarray,
+    rows: list[int],
+    lengths: list[int],
+    budgets: list[int],
+    *,
+    full_budgets: list[int] | None = None,
+    max_match: int = 24,
+    min_prob: float = 0.1,
+) -> list[LookupDraft]:
+    """`suffix_draft(token_ids[row, :length], budget)` of many rows at once (the batch's token
+    ids as vLLM keeps them, read in place), in one compiled call: a call's own cost is most of
+    a lookup's. A draft that copies (it matches `max_match` tokens) is looked up again for the
+    row's `full_budgets` (default: its budget)."""
+    full_budgets = budgets if full_budgets is None else full_budgets
+    inputs = np.array([rows, lengths, budgets, full_budgets], dtype=np.int64).T.copy()
+    width = max(max(full_budgets, default=0), 1)
+    tokens, probs = np.zeros((len(rows), width), dtype=np.int64), np.zeros((len(rows), width))
+    out = np.zeros((len(rows), 2), dtype=np.int64)
+    _context_drafts(token_ids, inputs, int(max_match), float(min_prob), tokens, probs, out)
+    shares = probs.tolist()
+    return [
+        LookupDraft(tokens[r, :n], tuple(shares[r][:n]), match) if n else NO_DRAFT
+        for r, (n, match) in enumerate(out.tolist())
+    ]
+
+
 def warm_up() -> None:
     """Compile the lookup (or load it from numba's cache): seconds the first time on a machine,
     which belong to the engine's start, not to its first request's step."""
     suffix_draft(np.zeros(2, dtype=np.int64), 1)
+    for dtype in (np.int32, np.int64):  # (vLLM's token ids are int32; int64 where a caller's are)
+        context_drafts(np.zeros((1, 2), dtype=dtype), [0], [2], [1])
     history = OutputHistory(8)
     history.add(np.zeros(2, dtype=np.int64))
     history.draft(np.zeros(2, dtype=np.int64), 1, 2)

@@ -22,7 +22,7 @@ import numpy as np
 
 from vllm_selfspec.control import DraftSource, RowOffer
 from vllm_selfspec.fail_safe import FailSafe, RequestQuarantine, fault_point
-from vllm_selfspec.lookup import NO_DRAFT, UNKNOWN_TENANT, LookupDraft, TenantHistories, lookup_draft
+from vllm_selfspec.lookup import NO_DRAFT, UNKNOWN_TENANT, LookupDraft, TenantHistories, context_drafts, lookup_draft
 from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.prediction_cursor import PredictionCursor
 
@@ -76,9 +76,10 @@ class RowLookup:
         """Each row's draft: its prediction's or its best lookup draft if `look_up`, whichever
         matches more (the prediction's on a tie; NO_DRAFT where neither offers one or the budget
         is 0). `budgets`: 0 for a row out of quarantine (`allowed`); a row whose lookup raises
-        is quarantined now, and its budget set to 0."""
+        is quarantined now, and its budget set to 0. Rows whose tenant has no history look up
+        their own context in one compiled call (`lookup.context_drafts`)."""
         fault_point("lookup")
-        found, failed, tried = [], [], 0
+        found, failed, tried, own_context = [], [], 0, []
         lookup_seconds, self.rows_looked_up = 0.0, 0
         for i, (row, budget) in enumerate(zip(rows, budgets)):
             source, draft = DraftSource.LOOKUP, NO_DRAFT
@@ -87,15 +88,21 @@ class RowLookup:
                 try:
                     source, draft = self._predicted(step, row, budget)
                     if self.options.lookup and look_up and not self._trusted(row, draft):
-                        looked_up_at = time.perf_counter()
                         self.rows_looked_up += 1
-                        looked_up = self._row(step, row, budget)
-                        if len(looked_up[1]) and (not len(draft) or looked_up[1].match > draft.match):
-                            source, draft = looked_up
-                        lookup_seconds += time.perf_counter() - looked_up_at
+                        if self.history is None or self.history.pool(self.tenant(row.req_id)) is None:
+                            fault_point("lookup", tokens=step.context(row.index))
+                            own_context.append(i)
+                        else:
+                            looked_up_at = time.perf_counter()
+                            source, draft = self._better(draft, source, self._row(step, row, budget))
+                            lookup_seconds += time.perf_counter() - looked_up_at
                 except Exception as err:
                     failed.append((i, row, err))
             found.append((source, draft))
+        if own_context:
+            looked_up_at = time.perf_counter()
+            self._look_up_own_contexts(step, rows, budgets, own_context, found, failed)
+            lookup_seconds += time.perf_counter() - looked_up_at
         if failed and len(failed) == tried > 1:
             raise failed[0][2]
         for i, row, err in failed:
@@ -104,6 +111,38 @@ class RowLookup:
             budgets[i] = 0
         self.seconds = lookup_seconds  # what the lookup gate weighs: lookups only, not predictions
         return found
+
+    def _look_up_own_contexts(self, step, rows, budgets, at: list[int], found: list[Found], failed: list) -> None:
+        """The lookup drafts of the rows `at` (by index into `rows`), from their own contexts, in
+        one call, each kept in `found` where it matches more than the row's prediction. Should
+        the call raise, each row is looked up alone, so that a fault is blamed on its row."""
+        indices = [rows[i].index for i in at]
+        full = [budgets[i] for i in at]
+        capped = [self.options.uncopied_budget(b) for b in full]
+        try:
+            drafts = context_drafts(
+                step.token_ids,
+                indices,
+                step.context_lengths(indices),
+                capped,
+                full_budgets=full,
+                max_match=self.options.lookup_max_match,
+            )
+        except Exception:
+            drafts = None
+        for n, i in enumerate(at):
+            try:
+                looked_up = (DraftSource.LOOKUP, drafts[n]) if drafts is not None else self._row(step, rows[i], full[n])
+                found[i] = self._better(found[i][1], found[i][0], looked_up)
+            except Exception as err:
+                failed.append((i, rows[i], err))
+
+    @staticmethod
+    def _better(draft: LookupDraft, source: DraftSource, looked_up: Found) -> Found:
+        """A row's lookup draft where it matches more than its prediction's `draft` (or there is none)."""
+        if len(looked_up[1]) and (not len(draft) or looked_up[1].match > draft.match):
+            return looked_up
+        return source, draft
 
     @staticmethod
     def offers(step, rows, budgets: list[int], found: list[Found], probed) -> list[RowOffer]:

@@ -159,6 +159,12 @@ class StepView:
         request = self.runner.requests.get(req_id)
         return _samples(request.sampling_params if request is not None else None)
 
+    @property
+    def token_ids(self) -> np.ndarray:
+        """Every row's tokens, as vLLM keeps them (rows x max_model_len; a row's context is its
+        first `context_lengths` tokens)."""
+        return self.batch.token_ids_cpu
+
     def context(self, row: int) -> np.ndarray:
         """The row's tokens so far: prompt and output, up to its last sampled token."""
         return self.batch.token_ids_cpu[row, : self.batch.num_tokens_no_spec[row]]
