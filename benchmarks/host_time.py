@@ -43,12 +43,12 @@ import numpy as np
 
 from vllm_selfspec.control import DraftPlan
 from vllm_selfspec.control.step_costs import pin_step_costs
-from vllm_selfspec.counters import PROPOSER_PARTS, PartClock
 from vllm_selfspec.draft_pipeline import DraftPipeline
-from vllm_selfspec.fail_safe import FailSafe
+from vllm_selfspec.operations.counters import PROPOSER_PARTS, PartClock
+from vllm_selfspec.operations.fail_safe import FailSafe
 from vllm_selfspec.options import make_options
-from vllm_selfspec.prediction import PREDICTION_KEY
 from vllm_selfspec.scheduler_note import SchedulerNote
+from vllm_selfspec.sources.prediction import PREDICTION_KEY
 from vllm_selfspec.vllm_integration.runner_state import StepView
 
 WORKLOADS = ("nothing", "lookup", "prediction", "history")

@@ -229,7 +229,7 @@ class Cell:
 
 
 def proposer_counters(llm) -> dict:
-    from vllm_selfspec.worker_extension import proposer_report
+    from vllm_selfspec.operations.worker_extension import proposer_report
 
     return llm.collective_rpc(proposer_report)[0]
 

@@ -53,7 +53,7 @@ from pathlib import Path
 from benchmarks.engine import CORES_ENV_VAR
 from benchmarks.output import default_out
 from benchmarks.serve_load import VLLM, VllmServer, markdown_table, server_flags
-from vllm_selfspec.counters import PROPOSER_PARTS
+from vllm_selfspec.operations.counters import PROPOSER_PARTS
 
 WARMUP_REQUESTS = 8
 # "own": the user's prompts (--prompts-file), to decide for their own workload (--decide).
@@ -77,7 +77,7 @@ MODES = {  # model, draft model for draft_model, prompts per load point, output 
 # So by default (`--output-spread`) each request has a token limit of its own, as real answers
 # have lengths of their own; `--output-spread 0` gives every request the same limit.
 SATURATION_PROMPTS_PER_SLOT = 6
-PROPOSER_REPORT = "vllm_selfspec.worker_extension.SelfAdmgWorkerExtension"
+PROPOSER_REPORT = "vllm_selfspec.operations.worker_extension.SelfAdmgWorkerExtension"
 # What a self-admg server's proposer spent during a run (differences of its counters).
 PROPOSER_COUNTERS = (
     "prompts_measured",
@@ -107,7 +107,7 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     "propose_ms_per_step": lambda p: (
         1000 * p["propose_seconds"] / p["propose_calls"] if p.get("propose_calls") else None
     ),
-    # ... and by part (vllm_selfspec.counters.PROPOSER_PARTS): where it goes.
+    # ... and by part (vllm_selfspec.operations.counters.PROPOSER_PARTS): where it goes.
     **{
         f"propose_ms_{part}": lambda p, part=part: (
             1000 * p["part_seconds"][part] / p["propose_calls"]

@@ -82,7 +82,7 @@ def make_llm(model, **overrides):
 
 
 def proposer_report(llm) -> dict:
-    from vllm_selfspec.worker_extension import proposer_report as report
+    from vllm_selfspec.operations.worker_extension import proposer_report as report
 
     return llm.collective_rpc(report)[0]
 

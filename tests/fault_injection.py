@@ -56,7 +56,7 @@ def parse(spec: str) -> dict[str, Injection]:
 
 
 class FaultInjector:
-    """The fault hook (`vllm_selfspec.fail_safe.fault_hook`) for one spec."""
+    """The fault hook (`vllm_selfspec.operations.fail_safe.fault_hook`) for one spec."""
 
     def __init__(self, spec: str):
         self.injections = parse(spec)
@@ -85,7 +85,7 @@ def _rank() -> int:
 
 def register() -> None:
     """vLLM calls this in every process it starts (entry point `vllm.general_plugins`)."""
-    from vllm_selfspec import fail_safe, plugin
+    from vllm_selfspec.operations import fail_safe, plugin
 
     plugin.register()  # first, whatever order vLLM loads plugins in: the fix below is undone
     spec = os.environ.get(INJECT_ENV)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_selfspec.lookup import NO_DRAFT, LookupDraft
+from vllm_selfspec.sources.lookup import NO_DRAFT, LookupDraft
 
 
 def hf_similarities(model_path, prompts_token_ids, window: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -57,7 +57,7 @@ def hf_similarities(model_path, prompts_token_ids, window: int = 0) -> list[tupl
 def numpy_suffix_draft(
     context: np.ndarray, max_tokens: int, corpus: np.ndarray | None = None, max_match: int = 24, min_prob: float = 0.1
 ) -> LookupDraft:
-    """vllm_selfspec.lookup.suffix_draft's rule in numpy calls, written apart from the compiled one:
+    """vllm_selfspec.sources.lookup.suffix_draft's rule in numpy calls, written apart from the compiled one:
     the same drafts, probabilities and match length, for the equivalence test."""
     n = len(context)
     own = corpus is None

@@ -7,13 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from vllm_selfspec.admg import (
-    SkipMask,
-    fill_gaps_rule,
-    keep_edge_layers_rule,
-    select_skip_mask,
-    threshold_rule,
-)
 from vllm_selfspec.options import (
     PROPOSER_PATH,
     SelfAdmgConfigError,
@@ -21,6 +14,13 @@ from vllm_selfspec.options import (
     is_self_admg,
     make_options,
     parse_speculative_config,
+)
+from vllm_selfspec.self_drafting.admg import (
+    SkipMask,
+    fill_gaps_rule,
+    keep_edge_layers_rule,
+    select_skip_mask,
+    threshold_rule,
 )
 
 NO_RULES = SelfAdmgOptions(keep_edge_layers=0, fill_gaps=0, attention_threshold=0.98, mlp_threshold=0.98)
@@ -170,7 +170,7 @@ def test_is_self_admg_spellings():
 
 
 def test_budget_rule_skips_least_change_per_byte_until_the_budget_is_met():
-    from vllm_selfspec.admg import budget_rule
+    from vllm_selfspec.self_drafting.admg import budget_rule
 
     attention = [0.999, 0.99, 0.98, 0.97]
     mlp = [0.85, 0.995, 0.99, 0.8]
@@ -201,7 +201,7 @@ def test_weight_bytes_counts_repacked_linear_layers_by_their_shape():
     budget computed from parameters would then divide by zero (seen on Qwen in bfloat16)."""
     import torch
 
-    from vllm_selfspec.residual_stream import weight_bytes
+    from vllm_selfspec.self_drafting.residual_stream import weight_bytes
 
     class RepackedLinear(torch.nn.Module):  # the attributes vLLM's LinearBase keeps
         def __init__(self, rows, cols):

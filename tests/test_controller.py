@@ -10,7 +10,7 @@ import pytest
 
 from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer
 from vllm_selfspec.control.acceptance import AcceptanceModel, token_bins
-from vllm_selfspec.lookup import SEPARATOR, OutputHistory, context_drafts, lookup_draft, suffix_draft
+from vllm_selfspec.sources.lookup import SEPARATOR, OutputHistory, context_drafts, lookup_draft, suffix_draft
 
 from reference import numpy_suffix_draft
 
@@ -102,7 +102,7 @@ def test_lookup_work_is_bounded_by_its_caps_whatever_the_context():
     most MAX_OCCURRENCES_FOLLOWED occurrences, the same draft as a context just long enough to
     hold them: without the caps the probabilities would count every earlier occurrence and the
     work would grow with the context."""
-    from vllm_selfspec.lookup import MAX_OCCURRENCES_FOLLOWED, MAX_OCCURRENCES_SCANNED
+    from vllm_selfspec.sources.lookup import MAX_OCCURRENCES_FOLLOWED, MAX_OCCURRENCES_SCANNED
 
     hostile = suffix_draft(np.full(200_000, 7), max_tokens=4)
     followed = MAX_OCCURRENCES_FOLLOWED
@@ -117,7 +117,7 @@ def test_lookup_work_is_bounded_by_its_caps_whatever_the_context():
 
 
 def test_a_request_of_unknown_tenant_neither_reads_nor_writes_history():
-    from vllm_selfspec.lookup import UNKNOWN_TENANT, TenantHistories
+    from vllm_selfspec.sources.lookup import UNKNOWN_TENANT, TenantHistories
 
     histories = TenantHistories(max_tokens=100, share_unsalted=True)
     histories.add(None, np.array([1, 2, 3]))
@@ -129,8 +129,8 @@ def test_a_request_of_unknown_tenant_neither_reads_nor_writes_history():
 
 def test_requests_without_a_salt_share_no_history_unless_the_operator_opts_in():
     """Closed by default: an unsalted request neither reads nor writes a pool another can reach."""
-    from vllm_selfspec.lookup import TenantHistories
     from vllm_selfspec.options import DEFAULTS
+    from vllm_selfspec.sources.lookup import TenantHistories
 
     assert DEFAULTS.lookup_history_unsalted is False
     closed = TenantHistories(max_tokens=100)
@@ -146,8 +146,8 @@ def test_requests_without_a_salt_share_no_history_unless_the_operator_opts_in():
 def test_an_empty_salt_is_no_salt_as_in_vllm():
     """vLLM salts no block hash with cache_salt="": such requests are unsalted, not one tenant
     that every empty salt shares."""
-    from vllm_selfspec.lookup import TenantHistories
     from vllm_selfspec.scheduler_note import salt_digest
+    from vllm_selfspec.sources.lookup import TenantHistories
 
     assert salt_digest("") is None and salt_digest(None) is None and salt_digest("a") != salt_digest("b")
     closed = TenantHistories(max_tokens=100)
@@ -163,7 +163,7 @@ def test_a_flood_of_fresh_salts_stays_bounded_and_spares_a_returning_tenant():
     and a tenant that keeps coming back still drafts from its history."""
     import tracemalloc
 
-    from vllm_selfspec.lookup import TenantHistories
+    from vllm_selfspec.sources.lookup import TenantHistories
 
     tenants, max_tokens = 256, 65_536
     histories = TenantHistories(max_tokens, max_tenants=tenants)
@@ -188,7 +188,7 @@ def test_a_flood_of_fresh_salts_stays_bounded_and_spares_a_returning_tenant():
 def test_returning_tenants_leave_room_for_newcomers_to_return():
     """Returning tenants hold at most their share of the pools: a newcomer that comes back
     before the next few newcomers push it out becomes a returning tenant itself."""
-    from vllm_selfspec.lookup import TenantHistories
+    from vllm_selfspec.sources.lookup import TenantHistories
 
     histories = TenantHistories(10_000, max_tenants=8)
     for t in range(8):  # eight tenants, each twice: all returning, more than their share
@@ -203,7 +203,7 @@ def test_returning_tenants_leave_room_for_newcomers_to_return():
 def test_one_newcomers_long_output_does_not_push_out_the_returning_tenants():
     """Room for a newcomer's output is taken from other newcomers, then from the newcomer
     itself, before any returning tenant loses an output."""
-    from vllm_selfspec.lookup import TenantHistories
+    from vllm_selfspec.sources.lookup import TenantHistories
 
     histories = TenantHistories(1_000, max_tenants=8)
     for tenant in ("alice", "bob"):
@@ -232,7 +232,7 @@ def test_a_historys_index_finds_what_a_scan_of_it_finds():
     dropped entries kept until a compaction), holds what a sort of the history holds, finds the
     occurrences a scan back finds (under any cap), and so drafts what a scan of the history
     drafts; small vocabularies make long matches and many ties."""
-    from vllm_selfspec.lookup import _indexed_occurrences, _recent_occurrences
+    from vllm_selfspec.sources.lookup import _indexed_occurrences, _recent_occurrences
 
     rng = np.random.default_rng(3)
     drafts = compactions = merges = 0
@@ -949,7 +949,7 @@ def test_before_costs_are_known_only_free_drafts_are_made():
 def test_head_ids_map_draft_columns_back_to_token_ids():
     import torch
 
-    from vllm_selfspec.residual_stream import HeadIds
+    from vllm_selfspec.self_drafting.residual_stream import HeadIds
 
     head = torch.randn(50, 8)
     ids = HeadIds(head, num_first=10, extra=torch.tensor([17, 42]))
@@ -964,7 +964,7 @@ def test_head_ids_map_draft_columns_back_to_token_ids():
 
 
 def test_history_pools_are_per_tenant_and_bounded_in_all():
-    from vllm_selfspec.lookup import TenantHistories
+    from vllm_selfspec.sources.lookup import TenantHistories
 
     histories = TenantHistories(max_tokens=1000, max_tenants=1000, share_unsalted=True)
     for tenant in ("a", None):
@@ -1075,7 +1075,7 @@ def naive_histories(max_tokens: int, max_tenants: int, adds) -> dict:
 
 
 def test_tenant_histories_keep_what_the_rule_says_and_drop_cheaply():
-    from vllm_selfspec.lookup import TenantHistories
+    from vllm_selfspec.sources.lookup import TenantHistories
 
     rng = np.random.default_rng(3)
     for trial in range(200):
@@ -1272,8 +1272,8 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
     drafts were not made, cost what a plain step does and settles nothing."""
     from types import SimpleNamespace
 
-    from vllm_selfspec.counters import ProposerCounters
-    from vllm_selfspec.learning import StepLessons
+    from vllm_selfspec.control.learning import StepLessons
+    from vllm_selfspec.operations.counters import ProposerCounters
 
     controller = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
     offers = [RowOffer(f"r{i}", lookup_tokens=4, lookup_probs=(0.999,) * 4) for i in range(2)]

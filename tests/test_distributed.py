@@ -11,7 +11,7 @@ from vllm import SamplingParams
 
 import benchmarks
 from benchmarks import ray_data_batch
-from vllm_selfspec.worker_extension import proposer_report
+from vllm_selfspec.operations.worker_extension import proposer_report
 
 from conftest import ENGINE_DEFAULTS, close_llm, make_llm, spec_counters, token_ids
 from fault_injection import INJECT_ENV

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from vllm_selfspec import fail_safe
-from vllm_selfspec.fail_safe import (
+from vllm_selfspec.operations import fail_safe
+from vllm_selfspec.operations.fail_safe import (
     COOL_DOWN_STEPS,
     MAX_CONSECUTIVE_FAULTS,
     MAX_FAULTS_IN_WINDOW,
@@ -88,7 +88,7 @@ def test_a_fault_or_a_switch_off_on_one_rank_is_every_ranks(caplog):
 def test_a_fault_after_the_agreement_costs_every_rank_the_step_and_only_its_rank_a_fault():
     """Past the agreement, a rank's own fault stops every rank at the next checkpoint: the rank
     that faulted counts it, the others see `RanksStopped`; all skip the step alike."""
-    from vllm_selfspec.fail_safe import RanksStopped
+    from vllm_selfspec.operations.fail_safe import RanksStopped
 
     ranks = [FailSafe(), FailSafe()]
 
@@ -169,7 +169,7 @@ def test_drafting_comes_back_after_a_cool_down_on_every_rank_and_backs_off_if_fa
 def test_a_quarantined_request_and_its_prompt_draft_no_more_and_the_rest_still_do():
     import numpy as np
 
-    from vllm_selfspec.fail_safe import RequestQuarantine
+    from vllm_selfspec.operations.fail_safe import RequestQuarantine
 
     quarantine = RequestQuarantine(max_prompts=2)
     poison, other = np.array([1, 2, 3]), np.array([4, 5, 6])

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens
+from vllm_selfspec.control.first_tokens import FirstTokenPolicy, FirstTokens
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
 from vllm_selfspec.scheduler_note import SchedulerNote, note_of
 from vllm_selfspec.vllm_integration.scheduler_queue import schedule_for_first_tokens
@@ -238,7 +238,7 @@ def test_ends_nobody_refills_stop_capping_the_steps_after_them_and_a_refill_brin
 
 
 def _share_after(views) -> float:
-    from vllm_selfspec.first_tokens import Refills
+    from vllm_selfspec.control.first_tokens import Refills
 
     refills = Refills()
     for step, view in enumerate(views, start=1):
@@ -249,7 +249,7 @@ def _share_after(views) -> float:
 
 
 def test_an_end_is_refilled_by_an_admission_within_three_steps_after_it():
-    from vllm_selfspec.first_tokens import REFILL_WEIGHT
+    from vllm_selfspec.control.first_tokens import REFILL_WEIGHT
 
     missed = 1 - REFILL_WEIGHT
     assert _share_after([ENDING, QUIET, ADMITTING, QUIET, QUIET]) == 1.0
@@ -264,7 +264,7 @@ def test_an_end_is_refilled_by_an_admission_within_three_steps_after_it():
 
 
 def test_ends_waiting_for_a_refill_are_bounded_by_the_window():
-    from vllm_selfspec.first_tokens import REFILL_WINDOW_STEPS, Refills
+    from vllm_selfspec.control.first_tokens import REFILL_WINDOW_STEPS, Refills
 
     refills = Refills()
     for step in range(1, 1000):

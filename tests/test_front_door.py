@@ -101,7 +101,7 @@ def test_only_an_api_server_that_serves_its_engines_makes_a_metrics_directory(ti
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 
-    from vllm_selfspec import metrics
+    from vllm_selfspec.operations import metrics
 
     served = []
     monkeypatch.setattr(metrics, "serve_on_prometheus", lambda: served.append(1))

@@ -135,13 +135,13 @@ def test_the_proposer_reads_as_its_loop():
 @pytest.mark.parametrize(
     "name",
     [
-        "first_tokens",
+        "control.first_tokens",
         "scheduler_note",
         "control",
         "control.planner",
-        "lookup",
-        "learning",
-        "row_lookup",
+        "sources.lookup",
+        "control.learning",
+        "sources.row_lookup",
         "draft_pipeline",
     ],
 )

@@ -4,7 +4,12 @@
 
 import numpy as np
 
-from vllm_selfspec.lookup import MAX_OCCURRENCES_FOLLOWED, MAX_OCCURRENCES_SCANNED, _recent_occurrences, suffix_draft
+from vllm_selfspec.sources.lookup import (
+    MAX_OCCURRENCES_FOLLOWED,
+    MAX_OCCURRENCES_SCANNED,
+    _recent_occurrences,
+    suffix_draft,
+)
 
 # What benchmarks/NOTES.md (entry 27) measured: hostile contexts at 0.12-0.33 ms per lookup,
 # against 11 ms per row at 4k tokens and 108 ms at 32k unbounded. Larger caps make every row of

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""Self-admg's counters on /metrics (`vllm_selfspec.metrics`), without an engine: one series per
+"""Self-admg's counters on /metrics (`vllm_selfspec.operations.metrics`), without an engine: one series per
 engine and rank, the newest file of each, files that are not snapshots skipped and counted, a
 page that never fails for self-admg's sake, and a server that starts without the series when they
 cannot be served."""
@@ -15,9 +15,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_selfspec import metrics
-from vllm_selfspec.counters import ProposerCounters
-from vllm_selfspec.metrics import (
+from vllm_selfspec.operations import metrics
+from vllm_selfspec.operations.counters import ProposerCounters
+from vllm_selfspec.operations.metrics import (
     METRICS,
     METRICS_DIR_ENV,
     PREFIX,

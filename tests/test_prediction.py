@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_selfspec.prediction import prediction_usage
-from vllm_selfspec.prediction_cursor import REJOIN_TOKENS, PredictionCursor
+from vllm_selfspec.sources.prediction import prediction_usage
+from vllm_selfspec.sources.prediction_cursor import REJOIN_TOKENS, PredictionCursor
 
 FILE = list(range(100, 140))  # a known text: 40 distinct tokens
 
@@ -55,9 +55,9 @@ def test_a_rows_prediction_draft_carries_its_run_as_its_match_length():
     from types import SimpleNamespace
 
     from vllm_selfspec.control import DraftSource
-    from vllm_selfspec.fail_safe import FailSafe
+    from vllm_selfspec.operations.fail_safe import FailSafe
     from vllm_selfspec.options import make_options
-    from vllm_selfspec.row_lookup import RowLookup
+    from vllm_selfspec.sources.row_lookup import RowLookup
 
     edited = FILE[:15] + [7, 8, 9] + FILE[20:]  # rejoins after the edit, then follows 2 more
     step = SimpleNamespace(prediction=lambda row, limit: FILE[:limit], output=lambda row: edited[: 20 + REJOIN_TOKENS])
@@ -75,9 +75,9 @@ def test_a_prediction_left_at_every_fourth_token_gives_way_to_the_contexts_longe
     import numpy as np
 
     from vllm_selfspec.control import DraftSource
-    from vllm_selfspec.fail_safe import FailSafe
+    from vllm_selfspec.operations.fail_safe import FailSafe
     from vllm_selfspec.options import make_options
-    from vllm_selfspec.row_lookup import RowLookup
+    from vllm_selfspec.sources.row_lookup import RowLookup
 
     def found(prediction, output, prompt=(5, 6)):
         context = np.asarray([*prompt, *output])
@@ -102,9 +102,9 @@ def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():
 
     import numpy as np
 
-    from vllm_selfspec.fail_safe import FailSafe
+    from vllm_selfspec.operations.fail_safe import FailSafe
     from vllm_selfspec.options import make_options
-    from vllm_selfspec.row_lookup import RowLookup
+    from vllm_selfspec.sources.row_lookup import RowLookup
 
     capped = {"experimental": {"max_draft_unless_copying": 4}}
 
@@ -159,7 +159,7 @@ def test_usage_is_counted_one_token_at_a_time_or_all_at_once_alike():
 
 
 def test_the_openai_shape_is_read_and_anything_else_named_in_the_error():
-    from vllm_selfspec.prediction import PredictionError, prediction_text
+    from vllm_selfspec.sources.prediction import PredictionError, prediction_text
 
     assert prediction_text({"type": "content", "content": "def f():"}) == "def f():"
     parts = [{"type": "text", "text": "def "}, {"type": "text", "text": "f():"}]
@@ -187,7 +187,7 @@ def test_an_engine_drafts_from_predictions_and_no_output_changes(tiny_model_path
     from vllm import SamplingParams
 
     from vllm_selfspec import with_prediction
-    from vllm_selfspec.prediction import PREDICTION_KEY, AdmittedPrediction
+    from vllm_selfspec.sources.prediction import PREDICTION_KEY, AdmittedPrediction
 
     from conftest import close_llm, make_llm, proposer_report, token_ids
 
@@ -248,7 +248,7 @@ def test_the_front_end_tokenizes_a_prediction_into_the_requests_xargs_or_names_w
     import asyncio
     from types import SimpleNamespace
 
-    from vllm_selfspec.prediction import PREDICTION_KEY, AdmittedPrediction
+    from vllm_selfspec.sources.prediction import PREDICTION_KEY, AdmittedPrediction
     from vllm_selfspec.vllm_integration.predicted_outputs import _take_prediction
 
     def request(prediction, n=1, xargs=None):
@@ -289,7 +289,7 @@ def test_the_front_end_tokenizes_a_prediction_into_the_requests_xargs_or_names_w
 def test_only_a_streams_final_usage_chunk_gets_the_prediction_counts():
     import json
 
-    from vllm_selfspec.prediction import PredictionUsage
+    from vllm_selfspec.sources.prediction import PredictionUsage
     from vllm_selfspec.vllm_integration.predicted_outputs import _final_usage, _with_details
 
     assert _final_usage('data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n') is None
@@ -326,7 +326,7 @@ def test_the_input_processor_admits_only_the_front_ends_predictions():
     from vllm.exceptions import VLLMValidationError
 
     from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH
-    from vllm_selfspec.prediction import PREDICTION_KEY, AdmittedPrediction
+    from vllm_selfspec.sources.prediction import PREDICTION_KEY, AdmittedPrediction
     from vllm_selfspec.vllm_integration.predicted_outputs import _with_prediction_ids
 
     config = SimpleNamespace(
@@ -382,7 +382,7 @@ def scanned_rejoin(prediction: list[int], tail: list[int], lost_at: int) -> int 
 def test_the_indexed_rejoin_lands_where_a_scan_of_every_place_would():
     import numpy as np
 
-    from vllm_selfspec.prediction_cursor import _rejoin
+    from vllm_selfspec.sources.prediction_cursor import _rejoin
 
     rng = np.random.default_rng(0)
     for _ in range(2000):

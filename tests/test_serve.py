@@ -416,7 +416,7 @@ def test_a_prediction_changes_no_answer_and_usage_reports_what_it_was_worth(serv
     output used in order, and the rest (`prediction.prediction_usage`)."""
     from transformers import AutoTokenizer
 
-    from vllm_selfspec.prediction import prediction_usage
+    from vllm_selfspec.sources.prediction import prediction_usage
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     plain, admg = servers

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import serving
 from benchmarks.serving import LoadPoint, Run, Server
-from vllm_selfspec.counters import PROPOSER_PARTS
+from vllm_selfspec.operations.counters import PROPOSER_PARTS
 
 
 def run(server, point, round_=0, workload="code", default_cores=False, slot=0, **result):

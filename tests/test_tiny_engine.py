@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from vllm import SamplingParams
 
-from vllm_selfspec.counters import PROPOSER_PARTS, prompt_key
+from vllm_selfspec.operations.counters import PROPOSER_PARTS, prompt_key
 from vllm_selfspec.options import SelfAdmgOptions
 
 from conftest import (

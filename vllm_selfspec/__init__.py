@@ -8,20 +8,19 @@ Install it next to vLLM 0.32 and ask for the method by name:
     vllm serve MODEL --speculative-config '{"method": "self-admg"}'
 
 vLLM loads the plugin by itself (entry point `vllm.general_plugins`, `plugin.register`); the
-options are in `vllm_selfspec.options`. The package's parts:
+options are in `vllm_selfspec.options`. The package's parts, in a step's order:
 - proposer: the step loop; draft_pipeline, its model-free stages (read, learn, look up, offer,
-  plan), with learning (what a step taught), row_lookup (per request: tenant, quarantine,
-  history), first_tokens (the first-token rule) and scheduler_note (the scheduler's note to
-  the workers);
-- self_draft, residual_stream, admg: drafting with the target's own layers under skip masks;
-- lookup: drafts from the context and earlier outputs;
-- control: step costs, acceptance and the plan of how much to draft;
-- fail_safe: a fault in drafting costs a step's drafts on every rank alike, never a request;
-- counters, metrics, worker_extension: what the proposer did, for operators and the lab;
+  plan); scheduler_note, the scheduler's note to the workers;
+- sources: drafts that cost no forward (lookup in the context and earlier outputs, predictions);
+- self_drafting: drafting with the target's own layers under skip masks (ADMG);
+- control: step costs, acceptance, the plan of how much to draft, what a step taught
+  (learning) and the first-token rule;
+- operations: the fail-safe (a fault in drafting costs a step's drafts on every rank alike,
+  never a request), counters, metrics and the worker extension, for operators and the lab;
 - vllm_integration: everything that knows vLLM's internals, and every patch.
 """
 
-from vllm_selfspec.prediction import with_prediction
+from vllm_selfspec.sources.prediction import with_prediction
 
 __all__ = ["with_prediction"]
 __version__ = "0.1.0"

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 from vllm_selfspec.control import DraftController, DraftPlan, RowOffer, StepGains
 from vllm_selfspec.control.acceptance import warm_up as warm_up_acceptance
+from vllm_selfspec.control.first_tokens import FirstTokenPolicy, FirstTokens
+from vllm_selfspec.control.learning import StepLessons
 from vllm_selfspec.control.lookup_plan import warm_up as warm_up_lookup_plan
-from vllm_selfspec.counters import PartClock, ProposerCounters
-from vllm_selfspec.fail_safe import FailSafe, fault_point
-from vllm_selfspec.first_tokens import FirstTokenPolicy, FirstTokens
-from vllm_selfspec.learning import StepLessons
-from vllm_selfspec.lookup import warm_up as warm_up_lookup
+from vllm_selfspec.operations.counters import PartClock, ProposerCounters
+from vllm_selfspec.operations.fail_safe import FailSafe, fault_point
 from vllm_selfspec.options import SelfAdmgOptions
-from vllm_selfspec.prediction_cursor import warm_up as warm_up_prediction_cursor
-from vllm_selfspec.row_lookup import Found, RowLookup
 from vllm_selfspec.scheduler_note import SchedulerNote
+from vllm_selfspec.sources.lookup import warm_up as warm_up_lookup
+from vllm_selfspec.sources.prediction_cursor import warm_up as warm_up_prediction_cursor
+from vllm_selfspec.sources.row_lookup import Found, RowLookup
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ target model through `load_model`, and calls `propose_for_runner` after every st
 1. read, learn, look up, offer and plan: rank-local and pure (`DraftPipeline.prepare`);
 2. agree: one small all-reduce across tensor-parallel ranks, so that a fault on any rank costs
    every rank this step's drafts alike (`fail_safe`; the order is `DraftPipeline.propose`);
-3. draft: take rank 0's plan, the planned lookup tokens, and self-draft the rest (`self_draft`);
+3. draft: take rank 0's plan, the planned lookup tokens, and self-draft the rest (`self_drafting.drafter`);
 4. return ragged lists of draft tokens, which vLLM's scorer and rejection sampler verify.
 Every draft is a point mass (greedy or looked up): rejection sampling keeps the target's distribution.
 """
@@ -19,13 +19,13 @@ import time
 import torch
 
 from vllm_selfspec.control import DraftPlan
-from vllm_selfspec.counters import PartClock
 from vllm_selfspec.draft_pipeline import DraftPipeline, PreparedStep
-from vllm_selfspec.fail_safe import FailSafe
-from vllm_selfspec.metrics import MetricsPublisher, metrics_snapshot
+from vllm_selfspec.operations.counters import PartClock
+from vllm_selfspec.operations.fail_safe import FailSafe
+from vllm_selfspec.operations.metrics import MetricsPublisher, metrics_snapshot
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, SelfAdmgConfigError, make_options
 from vllm_selfspec.scheduler_note import SchedulerNote
-from vllm_selfspec.self_draft import SelfDrafter
+from vllm_selfspec.self_drafting.drafter import SelfDrafter
 from vllm_selfspec.vllm_integration import runner_hook
 from vllm_selfspec.vllm_integration.draft_forward import (
     DraftForward,

@@ -3,7 +3,7 @@
 """What one lookup costs, worst case against typical: contexts and histories a hostile prompt can
 send (one repeated token, a short cycle, two symbols at random) beside ordinary ones (random
 tokens, Zipf-distributed text-like tokens), up to the longest context a model serves. No engine:
-it times `vllm_selfspec.lookup.suffix_draft`, which every row runs every step it may draft.
+it times `vllm_selfspec.sources.lookup.suffix_draft`, which every row runs every step it may draft.
 
     .venv/bin/python -m benchmarks.diagnostics.lookup_bound
     .venv/bin/python -m benchmarks.diagnostics.lookup_bound --lengths 4096 32768 --draft 32 --max-match 64
@@ -29,7 +29,7 @@ def contexts(length: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarra
 
 
 def milliseconds(context: np.ndarray, corpus: np.ndarray | None, draft: int, max_match: int, repeats: int) -> float:
-    from vllm_selfspec.lookup import suffix_draft
+    from vllm_selfspec.sources.lookup import suffix_draft
 
     suffix_draft(context, draft, corpus, max_match)  # compiled and cached before timing
     start = time.perf_counter()
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
 
-    from vllm_selfspec.lookup import MAX_OCCURRENCES_FOLLOWED, MAX_OCCURRENCES_SCANNED, warm_up
+    from vllm_selfspec.sources.lookup import MAX_OCCURRENCES_FOLLOWED, MAX_OCCURRENCES_SCANNED, warm_up
 
     warm_up()
     rng = np.random.default_rng(0)

@@ -3,7 +3,7 @@
 """Do self-admg's lookup drafts accept as many tokens as vLLM's `suffix` on the same requests?
 
 Replays what a serving run served, teacher-forced, through both lookup rules with nothing else
-in the way (no controller, no timing): self-admg's (`vllm_selfspec.lookup`: the row's own
+in the way (no controller, no timing): self-admg's (`vllm_selfspec.sources.lookup`: the row's own
 context and earlier outputs) and vLLM's `suffix` method (arctic-inference's
 `SuffixDecodingCache`, fed as vLLM's `SuffixDecodingProposer` feeds it). Requests go in the
 order the server started them, each step drafts up to K tokens, the draft's tokens that match
@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.serving import capacity_points
-from vllm_selfspec.lookup import OutputHistory, lookup_draft
 from vllm_selfspec.options import make_options
+from vllm_selfspec.sources.lookup import OutputHistory, lookup_draft
 
 
 @dataclass

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_selfspec.admg import budget_rule, keep_edge_layers_rule
-from vllm_selfspec.residual_stream import weight_bytes
+from vllm_selfspec.self_drafting.admg import budget_rule, keep_edge_layers_rule
+from vllm_selfspec.self_drafting.residual_stream import weight_bytes
 
 
 class Skipper:

@@ -29,7 +29,7 @@ def main(argv=None) -> None:
 
     from benchmarks import assets
     from benchmarks.engine import bind_worker_cores, build_llm, choose_dtype, close_llm
-    from vllm_selfspec.worker_extension import proposer_report
+    from vllm_selfspec.operations.worker_extension import proposer_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")

@@ -4,7 +4,7 @@
 
 Every row that may draft looks up every step, before any plan, so the lookup's time is paid
 whether or not a draft is taken: on the step's critical path, for every request in the batch.
-It is bounded (`vllm_selfspec.lookup`), and usually small beside a step, but when what the
+It is bounded (`vllm_selfspec.sources.lookup`), and usually small beside a step, but when what the
 lookups find is rarely accepted (contexts that never repeat, a batch of hostile prompts) it buys
 nothing. The gate weighs the seconds lookups took against the seconds their accepted tokens
 saved (each accepted token saves a row its share of a step), over the last steps looked up; if

@@ -41,7 +41,7 @@ class RowOffer:
     lookup_source: DraftSource = DraftSource.LOOKUP
     can_self_draft: bool = False  # budget left: may draft with the model (instead of lookup)
     sampled: bool = False  # temperature > 0: verifying its drafts costs a softmax each
-    lookup_probs: tuple[float, ...] = ()  # per lookup token, see vllm_selfspec.lookup
+    lookup_probs: tuple[float, ...] = ()  # per lookup token, see vllm_selfspec.sources.lookup
     lookup_match: int = 0
     remaining: int | None = None  # tokens the request may still emit (None: no limit known)
     has_mask: bool = False  # its prompt is probed already: a self-draft needs no probe

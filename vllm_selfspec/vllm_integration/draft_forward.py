@@ -145,7 +145,7 @@ def meet_after(work):
     where the tensor-parallel ranks meet (one small all-reduce; nothing on one rank): if any
     rank's part failed, every rank stops here together, so that none waits in a collective the
     others never reach. This rank's own fault is raised as it is; another's as `RanksStopped`."""
-    from vllm_selfspec.fail_safe import RanksStopped
+    from vllm_selfspec.operations.fail_safe import RanksStopped
 
     try:
         result, fault = work(), None

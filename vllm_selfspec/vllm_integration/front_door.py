@@ -192,7 +192,7 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
         vllm_spec, options = parse_speculative_config(spec, _vllm_speculative_keys())
         check_supported(self, target_model_config, target_parallel_config)
         if _usage_context.get() in SERVER_USES:
-            from vllm_selfspec.metrics import serve_on_prometheus
+            from vllm_selfspec.operations.metrics import serve_on_prometheus
 
             serve_on_prometheus()
         self.speculative_config = vllm_spec

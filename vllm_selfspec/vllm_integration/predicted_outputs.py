@@ -12,7 +12,7 @@ request's `vllm_xargs`. No JSON decodes to one: every other way in (responses, t
 endpoint, the scale-out token endpoint, any client's extra args) that carries the reserved key
 is a 400 naming it, checked on those entry points and, for every request whatever its way in,
 by vLLM's input processor, which alone turns an admitted prediction into the token ids the
-workers draft from (`vllm_selfspec.prediction`); verification keeps the output exact.
+workers draft from (`vllm_selfspec.sources.prediction`); verification keeps the output exact.
 
 The response's `usage.completion_tokens_details` gets `accepted_prediction_tokens` and
 `rejected_prediction_tokens`, counted from the prediction and each choice's output alone
@@ -37,7 +37,7 @@ import logging
 import sys
 
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, make_options
-from vllm_selfspec.prediction import (
+from vllm_selfspec.sources.prediction import (
     PREDICTION_KEY,
     AdmittedPrediction,
     PredictionError,

@@ -31,7 +31,7 @@ history; a step whose draft hand-off failed verifies no drafts).
 Installed from the proposer's constructor, so only worker processes import the runner.
 """
 
-from vllm_selfspec.fail_safe import fault_point
+from vllm_selfspec.operations.fail_safe import fault_point
 from vllm_selfspec.scheduler_note import note_of
 from vllm_selfspec.vllm_integration.patching import original, patch
 

@@ -177,10 +177,10 @@ class StepView:
         return self.batch.token_ids_cpu[row, self.batch.num_prompt_tokens[row] : self.batch.num_tokens_no_spec[row]]
 
     def prediction(self, row: int, limit: int) -> list[int] | None:
-        """The token ids of the request's prediction (`vllm_selfspec.prediction`), at most
+        """The token ids of the request's prediction (`vllm_selfspec.sources.prediction`), at most
         `limit` of them; None without one, or if any is not a token of the model's vocabulary
         (the front end refuses such ids; a request that came another way is not trusted)."""
-        from vllm_selfspec.prediction import PREDICTION_KEY, in_vocabulary
+        from vllm_selfspec.sources.prediction import PREDICTION_KEY, in_vocabulary
 
         params = self.runner.requests[self.req_ids[row]].sampling_params
         ids = (getattr(params, "extra_args", None) or {}).get(PREDICTION_KEY)

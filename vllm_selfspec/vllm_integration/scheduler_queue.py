@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""The scheduler's side of first tokens (`vllm_selfspec.first_tokens`) in self-admg engines.
+"""The scheduler's side of first tokens (`vllm_selfspec.control.first_tokens`) in self-admg engines.
 
 When a step is about to prefill (a request waits that the scheduler can admit now, or a prompt
 is being prefilled in chunks), the requests running beside it verify no drafts in that step:
@@ -30,7 +30,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from vllm_selfspec.fail_safe import fault_point
+from vllm_selfspec.operations.fail_safe import fault_point
 from vllm_selfspec.options import CLOSED_BATCHES_KEY
 from vllm_selfspec.scheduler_note import SchedulerNote, attach_note, salt_digest
 from vllm_selfspec.vllm_integration.patching import original, patch

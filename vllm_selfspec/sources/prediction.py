@@ -118,7 +118,7 @@ def total_usage(prediction: Sequence[int], outputs: Sequence[Sequence[int]]) -> 
 def prediction_usage(prediction: Sequence[int], output: Sequence[int]) -> PredictionUsage:
     # (imported here: the cursor is compiled by numba, which a vLLM worker must not import before
     # vLLM has set the worker up, and this module is loaded with the plugin in every process)
-    from vllm_selfspec.prediction_cursor import PredictionCursor
+    from vllm_selfspec.sources.prediction_cursor import PredictionCursor
 
     cursor = PredictionCursor(prediction)
     cursor.follow(output)

@@ -282,7 +282,7 @@ def _expose_directory() -> str:
 
 
 def metrics_snapshot(drafter) -> dict:
-    """What operators watch of a worker's proposer (`vllm_selfspec.metrics`): counters and
+    """What operators watch of a worker's proposer (`vllm_selfspec.operations.metrics`): counters and
     switches, no request ids and nothing of any request's content."""
     counters, fail_safe = drafter.counters, drafter.fail_safe
     return {

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from vllm_selfspec.control import Calibration, DraftController, DraftSource
 from vllm_selfspec.control.acceptance import NO_CALIBRATION
-from vllm_selfspec.counters import ProposerCounters, prompt_key
+from vllm_selfspec.operations.counters import ProposerCounters, prompt_key
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class StepLessons:
         self.proposed_at = self.steps_run
 
     def probed(self, probe) -> None:
-        """Prompts measured for self-drafting (`self_draft.ProbeResult`)."""
+        """Prompts measured for self-drafting (`self_drafting.drafter.ProbeResult`)."""
         for m in probe.measurements:
             self.counters.measurements.append((prompt_key(m.prompt), m.attention_similarity, m.mlp_similarity, m.mask))
         self.counters.prompts_measured += len(probe.measurements)
@@ -137,7 +137,7 @@ class StepLessons:
         self.controller.observe_probe(len(probe.measurements), probe.seconds)
 
     def self_drafts_ran(self, run) -> None:
-        """A batch of self-drafts (`self_draft.DraftRun`): each draft step's rows and time."""
+        """A batch of self-drafts (`self_drafting.drafter.DraftRun`): each draft step's rows and time."""
         for rows, seconds in zip(run.step_rows, run.step_seconds):
             self.controller.observe_self_step(rows, seconds)
         self.counters.draft_steps += len(run.step_rows)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""Where an output stands in its prediction (OpenAI's `prediction`, `vllm_selfspec.prediction`).
+"""Where an output stands in its prediction (OpenAI's `prediction`, `vllm_selfspec.sources.prediction`).
 
 A `PredictionCursor` stands where the output is in its prediction: each output token that
 equals the prediction's token at the cursor moves it on (a token the output used); any other

@@ -21,10 +21,17 @@ import time
 import numpy as np
 
 from vllm_selfspec.control import DraftSource, RowOffer
-from vllm_selfspec.fail_safe import FailSafe, RequestQuarantine, fault_point
-from vllm_selfspec.lookup import NO_DRAFT, UNKNOWN_TENANT, LookupDraft, TenantHistories, context_drafts, lookup_draft
+from vllm_selfspec.operations.fail_safe import FailSafe, RequestQuarantine, fault_point
 from vllm_selfspec.options import SelfAdmgOptions
-from vllm_selfspec.prediction_cursor import PredictionCursor
+from vllm_selfspec.sources.lookup import (
+    NO_DRAFT,
+    UNKNOWN_TENANT,
+    LookupDraft,
+    TenantHistories,
+    context_drafts,
+    lookup_draft,
+)
+from vllm_selfspec.sources.prediction_cursor import PredictionCursor
 
 Found = tuple[DraftSource, LookupDraft]
 

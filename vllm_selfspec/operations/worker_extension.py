@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A worker extension that reports on the self-admg proposer by name, for benchmarks and tests:
-`--worker-extension-cls vllm_selfspec.worker_extension.SelfAdmgWorkerExtension`, then, in
+`--worker-extension-cls vllm_selfspec.operations.worker_extension.SelfAdmgWorkerExtension`, then, in
 vLLM's dev mode (VLLM_SERVER_DEV_MODE=1), POST {"method": "self_admg_state"} to /collective_rpc.
 Offline, `llm.collective_rpc(proposer_report)` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1,
 since vLLM pickles callables only when allowed)."""

@@ -27,10 +27,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from vllm_selfspec.admg import SkipMask, select_skip_mask
-from vllm_selfspec.fail_safe import fault_point
+from vllm_selfspec.operations.fail_safe import fault_point
 from vllm_selfspec.options import SelfAdmgOptions
-from vllm_selfspec.residual_stream import HeadIds, ResidualStream, draft_logits, similarity_sums
+from vllm_selfspec.self_drafting.admg import SkipMask, select_skip_mask
+from vllm_selfspec.self_drafting.residual_stream import HeadIds, ResidualStream, draft_logits, similarity_sums
 from vllm_selfspec.vllm_integration.draft_forward import DraftForward, meet_after, same_on_all_ranks
 from vllm_selfspec.vllm_integration.runner_state import StepView
 
