@@ -85,7 +85,8 @@ def _rank() -> int:
 
 def register() -> None:
     """vLLM calls this in every process it starts (entry point `vllm.general_plugins`)."""
-    from vllm_selfspec.operations import fail_safe, plugin
+    from vllm_selfspec import plugin
+    from vllm_selfspec.operations import fail_safe
 
     plugin.register()  # first, whatever order vLLM loads plugins in: the fix below is undone
     spec = os.environ.get(INJECT_ENV)
