@@ -113,6 +113,14 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
             "num_speculative_tokens": K,
             "lookup_history_unsalted": True,
         },
+        # A diagnostic: drafts that do not copy capped at 4 tokens (a copy, or a prediction the
+        # output follows, still drafts up to K), so that at K = 8 its drafts are K = 4's, and
+        # what is left between the two is what vLLM itself does per step at a larger K.
+        "self-admg-capped": {
+            "method": "self-admg",
+            "num_speculative_tokens": K,
+            "experimental": {"max_draft_unless_copying": 4},
+        },
     }
     if draft_path is None:
         del methods["draft_model"]
@@ -120,7 +128,7 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
 
 
 # Run when named, not by default: the opt-in, measured against the default in its own runs.
-BY_NAME_ONLY = ("self-admg-shared-history",)
+BY_NAME_ONLY = ("self-admg-shared-history", "self-admg-capped")
 
 
 def choose_methods(known: dict[str, dict | None], baseline: str, names: list[str] | None) -> dict[str, dict | None]:

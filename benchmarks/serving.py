@@ -472,6 +472,8 @@ ENGINE_COUNTERS = {
     "first_token_s": "vllm:time_to_first_token_seconds_sum",
     "queue_s": "vllm:request_queue_time_seconds_sum",
     "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    # The proposer's time, as an operator reads it (self-admg servers; 0 on others).
+    "proposer_s": "vllm:self_admg_proposer_seconds_total",
 }
 ENGINE_COLUMNS = {  # column: what it reads of a run's engine counters
     "prefix_cache_hit_rate": lambda e: e["prefix_cache_hits"] / e["prefix_cache_queries"],
@@ -804,6 +806,13 @@ def summarize(runs: list[Run]) -> list[dict]:
                 read(r.engine) for r in group if r.engine and r.engine["prefix_cache_queries"] and r.engine["requests"]
             ]
             row[name] = round(statistics.median(values), 3) if values else None
+        # The proposer's share of the run's time, from /metrics: what every step waited for it.
+        values = [
+            100 * r.engine["proposer_s"] / r.metric("duration")
+            for r in group
+            if r.engine and r.engine.get("proposer_s") and r.metric("duration")
+        ]
+        row["proposer_pct_of_run"] = round(statistics.median(values), 3) if values else None
         pairs = [
             (r, bases)
             for r in group

@@ -388,6 +388,7 @@ def test_a_results_folder_can_be_summarized_again_from_what_it_saved(tmp_path):
         "first_token_s": 1.0,
         "queue_s": 0.2,
         "prefill_s": 0.6,
+        "proposer_s": 0.3,
     }
     serving.save_run_notes(again, raw, "r2-0-self-admg-chat-0.3C")
     back = next(r for r in serving.runs_from_folder(tmp_path) if r.round == 2)
@@ -400,6 +401,8 @@ def test_a_results_folder_can_be_summarized_again_from_what_it_saved(tmp_path):
         300.0,
         100.0,
     )
+    again.result = {"duration": 60.0}  # (vLLM's own JSON, which a failed run has none of)
+    assert serving.summarize([again])[0]["proposer_pct_of_run"] == 0.5  # 0.3 s of a 60 s run, from /metrics
 
 
 def _served_answers():
