@@ -114,7 +114,7 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
             "lookup_history_unsalted": True,
         },
         # A diagnostic: drafts that do not copy capped at 4 tokens (a copy, or a prediction the
-        # output follows, still drafts up to K), so that at K = 8 its drafts are K = 4's, and
+        # output follows, still drafts up to K), so that at K = 8 most of its drafts are K = 4's, and
         # what is left between the two is what vLLM itself does per step at a larger K.
         "self-admg-capped": {
             "method": "self-admg",

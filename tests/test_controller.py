@@ -1435,6 +1435,52 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
     assert compared > 2000 and learned > 100 and trusted_by_bins > 100, (compared, learned, trusted_by_bins)
 
 
+def test_a_steps_drafts_learned_at_once_are_each_draft_learned_in_turn():
+    """`AcceptanceModel.observe_drafts` (one kernel call for a step's bins) against
+    `observe_draft` draft by draft, in the same order: the bins' arrays, the sources' and the
+    requests' rates, the estimates' calibration and trust, to the last bit, over steps whose
+    drafts share bins (the order within a step matters there)."""
+    import random
+
+    from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, VerifiedDraft
+
+    rng = random.Random(7)
+    shared = 0
+    at_once, in_turn = AcceptanceModel(), AcceptanceModel()
+    for _ in range(200):
+        drafts = []
+        for _ in range(rng.randint(0, 12)):
+            source = rng.choice([DraftSource.LOOKUP, DraftSource.HISTORY, DraftSource.PREDICTION, DraftSource.SELF])
+            tokens = rng.randint(1, 6)
+            offer = RowOffer(
+                f"r{rng.randint(0, 5)}",
+                lookup_tokens=0 if source == DraftSource.SELF else tokens,
+                lookup_source=DraftSource.LOOKUP if source == DraftSource.SELF else source,
+                lookup_probs=tuple(sorted((rng.choice([0.2, 0.5, 0.9, 1.0]) for _ in range(tokens)), reverse=True)),
+                lookup_match=rng.choice([1, 3, 9]),
+            )
+            calibration = in_turn.calibration(offer)
+            accepted = rng.randint(0, tokens)
+            drafts.append(VerifiedDraft(offer.req_id, source, tokens, accepted, calibration, rng.uniform(0, 3)))
+        bins = [b for d in drafts for b in d.calibration.bins[: min(d.accepted + 1, d.drafted)].tolist()]
+        shared += len(bins) > len(set(bins))
+        at_once.observe_drafts(drafts)
+        for d in drafts:
+            in_turn.observe_draft(*d)
+        for name in ("_bin_accepted", "_bin_trials", "_bin_verified"):
+            assert getattr(at_once, name).tolist() == getattr(in_turn, name).tolist()
+        assert np.array_equal(at_once._bin_rates, in_turn._bin_rates, equal_nan=True)
+        for rates in ("rates", "_by_request"):
+            assert {k: r.rate for k, r in getattr(at_once, rates).items()} == {
+                k: r.rate for k, r in getattr(in_turn, rates).items()
+            }
+        assert at_once._trusted_requests == in_turn._trusted_requests
+        assert {s: c.factor for s, c in at_once.estimate_calibration.items()} == {
+            s: c.factor for s, c in in_turn.estimate_calibration.items()
+        }
+    assert shared > 100
+
+
 def test_the_indexed_give_back_gives_back_what_a_scan_would():
     """`GiveBack` (heaps over each row's thresholds) against the scan it replaced
     (`reference.give_back_by_scan`), on random plans: lookup tokens of many rows, and some

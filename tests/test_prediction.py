@@ -82,7 +82,11 @@ def test_a_prediction_left_at_every_fourth_token_gives_way_to_the_contexts_longe
     def found(prediction, output, prompt=(5, 6)):
         context = np.asarray([*prompt, *output])
         step = SimpleNamespace(
-            prediction=lambda row, limit: prediction[:limit], output=lambda row: output, context=lambda row: context
+            prediction=lambda row, limit: prediction[:limit],
+            output=lambda row: output,
+            context=lambda row: context,
+            token_ids=context[None].astype(np.int32),  # (as vLLM keeps them: looked up in one call)
+            context_lengths=lambda rows: [len(context)] * len(rows),
         )
         lookup = RowLookup(make_options({}), FailSafe())
         ((source, draft),) = lookup.find(step, [SimpleNamespace(req_id="a", index=0)], [4], look_up=True)
@@ -91,6 +95,72 @@ def test_a_prediction_left_at_every_fourth_token_gives_way_to_the_contexts_longe
     assert found([7, 7, 7, 9] * 64, [7] * 40) == (DraftSource.LOOKUP, [7, 7, 7, 7])
     followed = FILE[:3] + FILE[:3] + FILE  # the prompt's repeats would match too
     assert found(followed, followed[:8], prompt=FILE[:10]) == (DraftSource.PREDICTION, followed[8:12])
+
+
+def batch_step(token_ids, lengths, prompts, predictions: dict, *, in_place: bool):
+    """A step as `RowLookup.find` reads it: each row's context, prompt, output and prediction;
+    `in_place`: with the batch's token ids as vLLM keeps them (else each row is looked up alone)."""
+    from types import SimpleNamespace
+
+    step = SimpleNamespace(
+        prediction=lambda row, limit: predictions.get(row, [])[:limit],
+        output=lambda row: token_ids[row, min(prompts[row], lengths[row]) : lengths[row]],
+        context=lambda row: token_ids[row, : lengths[row]],
+        prompt=lambda row: token_ids[row, : prompts[row]],
+        context_lengths=lambda at: lengths[at].tolist(),
+    )
+    if in_place:
+        step.token_ids = token_ids
+    return step
+
+
+def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
+    """`RowLookup.find` looks up the rows without a history pool in one call over the batch's
+    token ids; a step whose call raises looks each row up alone, and says so once. Over random
+    batches (predictions on some rows, capped drafts, rows without budget), the drafts at once
+    are those of each row alone, and no row was looked up alone on the way."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_selfspec.operations.fail_safe import FailSafe
+    from vllm_selfspec.options import make_options
+    from vllm_selfspec.sources.row_lookup import RowLookup
+
+    rng = np.random.default_rng(3)
+    options = make_options({"experimental": {"max_draft_unless_copying": 3, "lookup_max_match": 6}})
+    compared, batches = 0, 60
+    caplog.set_level(logging.DEBUG, logger="vllm.selfspec")
+    for _ in range(batches):
+        batch, width = int(rng.integers(1, 9)), 200
+        token_ids = rng.integers(0, int(rng.integers(3, 30)), (batch + 1, width)).astype(np.int32)
+        lengths, prompts = rng.integers(1, width + 1, batch + 1), rng.integers(1, 80, batch + 1)
+        predictions = {i: token_ids[i, : width // 2].tolist() for i in range(batch + 1) if rng.random() < 0.5}
+        rows = [SimpleNamespace(req_id=f"r{i}", index=int(i)) for i in rng.permutation(batch + 1)[:batch]]
+        budgets = rng.integers(0, 9, batch).tolist()
+        at_once, alone = RowLookup(options, FailSafe()), RowLookup(options, FailSafe())
+        at_once._row = None  # (a row looked up alone would raise, and be quarantined)
+        made = (token_ids, lengths, prompts, predictions)
+        got = at_once.find(batch_step(*made, in_place=True), rows, list(budgets), look_up=True)
+        want = alone.find(batch_step(*made, in_place=False), rows, list(budgets), look_up=True)
+        assert not at_once.quarantine.requests and not alone.quarantine.requests
+        for (source, draft), (want_source, want_draft) in zip(got, want):
+            assert (source, draft.tokens.tolist(), draft.probs, draft.match) == (
+                want_source,
+                want_draft.tokens.tolist(),
+                want_draft.probs,
+                want_draft.match,
+            )
+            compared += len(draft) > 0
+        assert at_once.rows_looked_up == alone.rows_looked_up
+        assert not at_once.batch_failed and alone.batch_failed == (alone.rows_looked_up > 0)
+    assert compared > 100
+    said = [r.levelno for r in caplog.records if "looked up alone" in r.getMessage()]
+    assert said and set(said) == {logging.WARNING}  # (once per proposer)
+    caplog.clear()
+    alone.find(batch_step(*made, in_place=False), rows, list(budgets), look_up=True)
+    assert [r.levelno for r in caplog.records if "looked up alone" in r.getMessage()] == [logging.DEBUG]
 
 
 def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():
@@ -115,6 +185,8 @@ def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():
             prediction=lambda row, limit: list(prediction)[:limit],
             output=lambda row: output,
             context=lambda row: context,
+            token_ids=context[None].astype(np.int32),
+            context_lengths=lambda rows: [len(context)] * len(rows),
         )
         lookup = RowLookup(make_options(options), FailSafe())
         ((_, draft),) = lookup.find(step, [SimpleNamespace(req_id="a", index=0)], [8], look_up=True)

@@ -8,7 +8,7 @@ Install it next to vLLM 0.32 and ask for the method by name:
     vllm serve MODEL --speculative-config '{"method": "self-admg"}'
 
 vLLM loads the plugin by itself (entry point `vllm.general_plugins`, `plugin.register`); the
-options are in `vllm_selfspec.options`. The package's parts, in a step's order:
+options are in `vllm_selfspec.options`. The package's parts:
 - proposer: the step loop; draft_pipeline, its model-free stages (read, learn, look up, offer,
   plan); scheduler_note, the scheduler's note to the workers;
 - sources: drafts that cost no forward (lookup in the context and earlier outputs, predictions);

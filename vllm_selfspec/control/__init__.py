@@ -10,7 +10,9 @@ Four parts, each unit-tested in tests/test_controller.py:
 - `lookup_gate`: whether looking up, paid every step before any plan, saves what it costs.
 
 `DraftController` holds the four for the proposer, which tells it what happened
-(`observe_*`) and asks it, each step, for a `DraftPlan`.
+(`observe_*`) and asks it, each step, for a `DraftPlan`. Beside them, what feeds them and when:
+- `learning`: what a step taught once it ran (its time, each row's accepted draft tokens);
+- `first_tokens`: the worker's first-token rule (no drafts while a prompt waits for the step).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class DraftController:
     def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int, *learned) -> None:
         """`AcceptanceModel.observe_draft`; `learned`: its calibration and estimate, if any."""
         self.acceptance.observe_draft(req_id, source, drafted, accepted, *learned)
+
+    def observe_drafts(self, drafts: list) -> None:
+        """A step's drafts once verified (`AcceptanceModel.observe_drafts`)."""
+        self.acceptance.observe_drafts(drafts)
 
     def observe_lookup(self, rows: int, seconds: float) -> None:
         self.lookup_gate.observe_lookup(rows, seconds)

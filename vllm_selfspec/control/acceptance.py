@@ -157,24 +157,40 @@ class Calibration(NamedTuple):
 
 
 NO_CALIBRATION = Calibration(np.zeros(0, dtype=np.int64), np.zeros(0))
+
+
+class VerifiedDraft(NamedTuple):
+    """What verification made of a row's draft: its tokens drafted and accepted, with its
+    lookup tokens' calibration and the tokens their unscaled estimates expected accepted."""
+
+    req_id: str
+    source: DraftSource
+    drafted: int
+    accepted: int
+    calibration: Calibration = NO_CALIBRATION
+    estimated: float = 0.0
+
+
 BIN_DECAY = 0.98  # a bin's rate, as `AcceptanceRate`'s default
 
 
 @compiled
-def _observe_bins(bins, priors, accepted, bin_accepted, bin_trials, bin_verified, bin_rates, decay):
-    """`AcceptanceRate.observe(1, j < accepted)` for each token j of a verified draft, in its
-    bin, over the arrays of every bin (a bin starts at two pseudo-trials at its first token's
-    prior): the same arithmetic in the same order, so the same bits as the objects."""
-    for j in range(len(bins)):
-        b = bins[j]
-        if b < 0:
-            continue
-        if bin_verified[b] == 0:
-            bin_accepted[b], bin_trials[b] = 2 * min(priors[j], 0.999), 2.0
-        bin_accepted[b] = decay * bin_accepted[b] + (1.0 if j < accepted else 0.0)
-        bin_trials[b] = decay * bin_trials[b] + 1.0
-        bin_verified[b] += 1
-        bin_rates[b] = min(bin_accepted[b] / bin_trials[b], 0.999)
+def _observe_bins(bins, priors, starts, accepted, bin_accepted, bin_trials, bin_verified, bin_rates, decay):
+    """`AcceptanceRate.observe(1, j < accepted[r])` for each token j of each verified draft r
+    (its tokens are `bins[starts[r]:starts[r + 1]]`), in its bin, over the arrays of every bin
+    (a bin starts at two pseudo-trials at its first token's prior): the same arithmetic in the
+    same order, so the same bits as the objects."""
+    for r in range(len(accepted)):
+        for t in range(starts[r], starts[r + 1]):
+            b = bins[t]
+            if b < 0:
+                continue
+            if bin_verified[b] == 0:
+                bin_accepted[b], bin_trials[b] = 2 * min(priors[t], 0.999), 2.0
+            bin_accepted[b] = decay * bin_accepted[b] + (1.0 if t - starts[r] < accepted[r] else 0.0)
+            bin_trials[b] = decay * bin_trials[b] + 1.0
+            bin_verified[b] += 1
+            bin_rates[b] = min(bin_accepted[b] / bin_trials[b], 0.999)
 
 
 AGREEMENT = np.array(AGREEMENT_EDGES)
@@ -295,26 +311,45 @@ class AcceptanceModel:
         """What verification made of a row's draft from `source`, with its lookup tokens'
         calibration (`calibration`) and the tokens their unscaled estimates expected accepted
         (`lookup_gains(..., scaled=False)`)."""
-        source = DraftSource(source)
+        self.observe_drafts([VerifiedDraft(req_id, DraftSource(source), drafted, accepted, calibration, estimated)])
+
+    def observe_drafts(self, drafts: list[VerifiedDraft]) -> None:
+        """`observe_draft` of each of a step's drafts, in order: the rates draft by draft, the
+        bins of all of them in one kernel call."""
+        bins, priors, accepted = [], [], []
+        for draft in drafts:
+            self._observe_rates(draft)
+            tried = min(draft.accepted + 1, draft.drafted)  # the accepted tokens and the first rejected
+            if tried > 0 and len(draft.calibration.bins):
+                bins.append(draft.calibration.bins[:tried])
+                priors.append(draft.calibration.priors[:tried])
+                accepted.append(draft.accepted)
+                if len(bins[-1]) != len(priors[-1]):
+                    raise ValueError(f"a calibration of {len(bins[-1])} bins and {len(priors[-1])} priors")
+        if bins:
+            starts = np.zeros(len(bins) + 1, dtype=np.int64)
+            np.cumsum([len(b) for b in bins], out=starts[1:])
+            bins, priors = np.concatenate(bins).astype(np.int64, copy=False), np.concatenate(priors)
+            # (the kernel checks no bounds: a bin past the arrays must raise here, not write there)
+            if bins.max() >= NUM_BINS or bins.min() < -1:
+                raise ValueError("a calibration's bin ids outside the bins")
+            arrays = (self._bin_accepted, self._bin_trials, self._bin_verified, self._bin_rates)
+            _observe_bins(bins, priors, starts, np.array(accepted, dtype=np.int64), *arrays, BIN_DECAY)
+
+    def _observe_rates(self, draft: VerifiedDraft) -> None:
+        """A verified draft's outcome in its source's rate, its request's and its estimates'."""
+        source, drafted, accepted = draft.source, draft.drafted, draft.accepted
         overall = self.rates[source]
         overall.observe(drafted, accepted)
         if source != DraftSource.SELF:
-            self.estimate_calibration[source].observe(estimated, min(accepted, drafted))
-            key = (req_id, source)
+            self.estimate_calibration[source].observe(draft.estimated, min(accepted, drafted))
+            key = (draft.req_id, source)
             if key not in self._by_request:
                 self._by_request[key] = AcceptanceRate(prior=overall.rate, decay=0.95)
             own = self._by_request[key]
             own.observe(drafted, accepted)
             if own.verified >= TRUSTED_AFTER_TOKENS:
-                self._trusted_requests.add(req_id)
-        tried = min(accepted + 1, drafted)  # the accepted tokens and the first rejected
-        if tried > 0 and len(calibration.bins):
-            bins, priors = calibration.bins[:tried], calibration.priors[:tried]
-            # (the kernel checks no bounds: a bin past the arrays must raise here, not write there)
-            if len(bins) != len(priors) or bins.max() >= NUM_BINS or bins.min() < -1:
-                raise ValueError(f"a calibration of {len(bins)} bins and {len(priors)} priors, ids outside the bins")
-            arrays = (self._bin_accepted, self._bin_trials, self._bin_verified, self._bin_rates)
-            _observe_bins(bins, priors, accepted, *arrays, BIN_DECAY)
+                self._trusted_requests.add(draft.req_id)
 
     def forget(self, req_id: str) -> None:
         for source in LOOKED_UP:

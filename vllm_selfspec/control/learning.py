@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm_selfspec.control import Calibration, DraftController, DraftSource
-from vllm_selfspec.control.acceptance import NO_CALIBRATION
+from vllm_selfspec.control.acceptance import NO_CALIBRATION, VerifiedDraft
 from vllm_selfspec.operations.counters import ProposerCounters, prompt_key
 
 
-@dataclass(frozen=True)
-class DraftMade:
-    """A row's draft this step, to learn from when it has been verified."""
+class DraftMade(NamedTuple):
+    """A row's draft this step, to learn from when it has been verified. (A tuple: every
+    drafting row of every step makes one.)"""
 
     source: DraftSource
     length: int
@@ -64,11 +65,13 @@ class StepLessons:
             )
             self.counters.steps_timed += 1
         self.step_end = None
-        accepted = None
+        accepted, verified = None, []
         if follows_last_call:  # (a row that drafted nothing accepted nothing: it costs no lesson)
             accepted = {
-                row.req_id: self._learn_row(step, row) if row.req_id in self.drafted else 0 for row in step.rows
+                row.req_id: self._learn_row(step, row, verified) if row.req_id in self.drafted else 0
+                for row in step.rows
             }
+            self.controller.observe_drafts(verified)
         # The per-row rule's ledger settles the step as planned only if it ran as planned: every
         # draft verified whole (a step beside a prefill, whose drafts the scheduler withheld,
         # cost what a plain one does, not what was planned).
@@ -76,16 +79,17 @@ class StepLessons:
         self.controller.observe_rows(accepted if as_planned else None)
         self.drafted = {}
 
-    def _learn_row(self, step, row) -> int | None:
-        """What verification made of the row's draft: its accepted tokens (None: the scheduler
-        cut the draft short or withheld it)."""
+    def _learn_row(self, step, row, learned: list[VerifiedDraft]) -> int | None:
+        """What verification made of the row's draft, appended to `learned` (for the acceptance
+        model to learn a step's drafts at once): its accepted tokens (None: the scheduler cut the
+        draft short or withheld it)."""
         made = self.drafted[row.req_id]
         verified = min(made.length, step.verified_draft_tokens(row.req_id))
         self.counters.draft_tokens_withheld += made.length - verified
         if not verified:
             return None
         accepted = min(step.accepted(row.index), verified)
-        self.controller.observe_draft(row.req_id, made.source, verified, accepted, made.calibration, made.estimated)
+        learned.append(VerifiedDraft(row.req_id, made.source, verified, accepted, made.calibration, made.estimated))
         cut_short = verified < made.length
         if made.source == DraftSource.PREDICTION:  # (not the lookup gate's: predictions cost no lookup)
             self.counters.prediction_accepted += accepted

@@ -259,6 +259,8 @@ class DraftPlanner:
         its lookup draft); no longer than plain's by more than FIRST_TOKEN_SLACK if
         `prompts_waiting`."""
         plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=t0 + sum(cost))
+        if not self_rows and not any(o.lookup_tokens for o in offers):
+            return plain  # (nothing offered: the plan below would come to plain's, at a cost per row)
         max_seconds = plain.seconds * (1 + FIRST_TOKEN_SLACK) if prompts_waiting else math.inf
         self_token_cost = self_token_seconds(self.costs, cost, self_rows)
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep

@@ -16,6 +16,7 @@ blamed for what strikes all). A history that raises is dropped for its tenant.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -34,6 +35,7 @@ from vllm_selfspec.sources.lookup import (
 from vllm_selfspec.sources.prediction_cursor import PredictionCursor
 
 Found = tuple[DraftSource, LookupDraft]
+logger = logging.getLogger("vllm.selfspec")
 
 
 class RowLookup:
@@ -53,6 +55,7 @@ class RowLookup:
         self.tenants: dict[str, bytes | None] = {}  # live requests' salt digests (None: no salt)
         self.cursors: dict[str, PredictionCursor | None] = {}  # live requests' (None: no prediction)
         self.seconds = 0.0  # the last `find`'s time and rows looked up, for the lookup gate
+        self.batch_failed = False  # whether a batch's lookup at once (`context_drafts`) has raised
         self.rows_looked_up = 0
 
     def admit(self, tenants, live_requests) -> None:
@@ -135,8 +138,16 @@ class RowLookup:
                 full_budgets=full,
                 max_match=self.options.lookup_max_match,
             )
-        except Exception:
+        except Exception as err:
             drafts = None
+            # (visible once: each row alone still drafts, but the step pays for both)
+            logger.log(
+                logging.DEBUG if self.batch_failed else logging.WARNING,
+                "self-admg's lookup of a batch's rows at once failed; each row is looked up alone: %r",
+                err,
+                exc_info=not self.batch_failed,
+            )
+            self.batch_failed = True
         for n, i in enumerate(at):
             try:
                 looked_up = (DraftSource.LOOKUP, drafts[n]) if drafts is not None else self._row(step, rows[i], full[n])
