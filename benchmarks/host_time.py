@@ -277,6 +277,12 @@ def parse_args(argv=None):
     parser.add_argument("--warm-up", type=int, default=16, help="unmeasured steps first")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ngram-source", type=Path, help="vLLM's ngram_proposer.py, where vLLM is not installed")
+    parser.add_argument(
+        "--lookup-seconds-per-row",
+        type=float,
+        help="what the lookup gate is told a row's lookup costs, instead of its time: the same plans "
+        "in every run, so that two checkouts compare by their time alone",
+    )
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -302,7 +308,14 @@ def main(argv=None) -> Path:
                 run = {"k": args.k, "steps": args.steps, "warm_up": args.warm_up}
                 runner = MockedRunner(make_rows(workload, batch, **made), answer)
                 earlier = history if workload == "history" else None
-                ours = run_ours(runner, options=options, history=earlier, finishing=earlier, **run)
+                ours = run_ours(
+                    runner,
+                    options=options,
+                    history=earlier,
+                    finishing=earlier,
+                    lookup_seconds_per_row=args.lookup_seconds_per_row,
+                    **run,
+                )
                 runner = MockedRunner(make_rows(workload, batch, **made), answer)  # (the same rows, anew)
                 theirs = run_ngram(ngram, runner, **run) if ngram is not None else None
                 rows.append(result_row(round_, workload, batch, args.steps, ours, theirs))

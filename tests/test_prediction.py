@@ -116,7 +116,8 @@ def batch_step(token_ids, lengths, prompts, predictions: dict, *, in_place: bool
 
 def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
     """`RowLookup.find` looks up the rows without a history pool in one call over the batch's
-    token ids; a step whose call raises looks each row up alone, and says so once. Over random
+    token ids (a single row alone); a step whose call raises looks each row up alone, and says
+    so once. Over random
     batches (predictions on some rows, capped drafts, rows without budget), the drafts at once
     are those of each row alone, and no row was looked up alone on the way."""
     import logging
@@ -140,7 +141,8 @@ def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
         rows = [SimpleNamespace(req_id=f"r{i}", index=int(i)) for i in rng.permutation(batch + 1)[:batch]]
         budgets = rng.integers(0, 9, batch).tolist()
         at_once, alone = RowLookup(options, FailSafe()), RowLookup(options, FailSafe())
-        at_once._row = None  # (a row looked up alone would raise, and be quarantined)
+        looked_up_alone = []
+        at_once._row = lambda *row, lookup=at_once._row, seen=looked_up_alone: seen.append(row) or lookup(*row)
         made = (token_ids, lengths, prompts, predictions)
         got = at_once.find(batch_step(*made, in_place=True), rows, list(budgets), look_up=True)
         want = alone.find(batch_step(*made, in_place=False), rows, list(budgets), look_up=True)
@@ -154,7 +156,8 @@ def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
             )
             compared += len(draft) > 0
         assert at_once.rows_looked_up == alone.rows_looked_up
-        assert not at_once.batch_failed and alone.batch_failed == (alone.rows_looked_up > 0)
+        assert len(looked_up_alone) == (at_once.rows_looked_up == 1)  # (one row alone, more at once)
+        assert not at_once.batch_failed and alone.batch_failed == (alone.rows_looked_up > 1)
     assert compared > 100
     said = [r.levelno for r in caplog.records if "looked up alone" in r.getMessage()]
     assert said and set(said) == {logging.WARNING}  # (once per proposer)

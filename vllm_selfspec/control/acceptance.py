@@ -175,19 +175,23 @@ BIN_DECAY = 0.98  # a bin's rate, as `AcceptanceRate`'s default
 
 
 @compiled
-def _observe_bins(bins, priors, starts, accepted, bin_accepted, bin_trials, bin_verified, bin_rates, decay):
+def _observe_bins(bins, priors, ends, accepted, bin_accepted, bin_trials, bin_verified, bin_rates, decay):
     """`AcceptanceRate.observe(1, j < accepted[r])` for each token j of each verified draft r
-    (its tokens are `bins[starts[r]:starts[r + 1]]`), in its bin, over the arrays of every bin
-    (a bin starts at two pseudo-trials at its first token's prior): the same arithmetic in the
-    same order, so the same bits as the objects."""
+    (its tokens are `bins[ends[r]:ends[r + 1]]`), in its bin, over the arrays of every bin (a
+    bin starts at two pseudo-trials at its first token's prior): the same arithmetic in the
+    same order, so the same bits as the objects. A bin id outside the arrays raises before
+    anything is learned (numba checks no bounds)."""
+    for t in range(len(bins)):
+        if bins[t] < -1 or bins[t] >= len(bin_rates):
+            raise ValueError("a calibration's bin ids outside the bins")
     for r in range(len(accepted)):
-        for t in range(starts[r], starts[r + 1]):
+        for t in range(ends[r], ends[r + 1]):
             b = bins[t]
             if b < 0:
                 continue
             if bin_verified[b] == 0:
                 bin_accepted[b], bin_trials[b] = 2 * min(priors[t], 0.999), 2.0
-            bin_accepted[b] = decay * bin_accepted[b] + (1.0 if t - starts[r] < accepted[r] else 0.0)
+            bin_accepted[b] = decay * bin_accepted[b] + (1.0 if t - ends[r] < accepted[r] else 0.0)
             bin_trials[b] = decay * bin_trials[b] + 1.0
             bin_verified[b] += 1
             bin_rates[b] = min(bin_accepted[b] / bin_trials[b], 0.999)
@@ -316,25 +320,23 @@ class AcceptanceModel:
     def observe_drafts(self, drafts: list[VerifiedDraft]) -> None:
         """`observe_draft` of each of a step's drafts, in order: the rates draft by draft, the
         bins of all of them in one kernel call."""
-        bins, priors, accepted = [], [], []
+        bins, priors, ends, accepted = [], [], [0], []
         for draft in drafts:
             self._observe_rates(draft)
             tried = min(draft.accepted + 1, draft.drafted)  # the accepted tokens and the first rejected
             if tried > 0 and len(draft.calibration.bins):
                 bins.append(draft.calibration.bins[:tried])
                 priors.append(draft.calibration.priors[:tried])
-                accepted.append(draft.accepted)
                 if len(bins[-1]) != len(priors[-1]):
                     raise ValueError(f"a calibration of {len(bins[-1])} bins and {len(priors[-1])} priors")
+                ends.append(ends[-1] + len(bins[-1]))
+                accepted.append(draft.accepted)
         if bins:
-            starts = np.zeros(len(bins) + 1, dtype=np.int64)
-            np.cumsum([len(b) for b in bins], out=starts[1:])
-            bins, priors = np.concatenate(bins).astype(np.int64, copy=False), np.concatenate(priors)
-            # (the kernel checks no bounds: a bin past the arrays must raise here, not write there)
-            if bins.max() >= NUM_BINS or bins.min() < -1:
-                raise ValueError("a calibration's bin ids outside the bins")
+            one = len(bins) == 1  # (mostly, at small batches: no copies then)
+            bins = (bins[0] if one else np.concatenate(bins)).astype(np.int64, copy=False)
+            priors = priors[0] if one else np.concatenate(priors)
             arrays = (self._bin_accepted, self._bin_trials, self._bin_verified, self._bin_rates)
-            _observe_bins(bins, priors, starts, np.array(accepted, dtype=np.int64), *arrays, BIN_DECAY)
+            _observe_bins(bins, priors, np.array(ends), np.array(accepted), *arrays, BIN_DECAY)
 
     def _observe_rates(self, draft: VerifiedDraft) -> None:
         """A verified draft's outcome in its source's rate, its request's and its estimates'."""

@@ -124,30 +124,32 @@ class RowLookup:
 
     def _look_up_own_contexts(self, step, rows, budgets, at: list[int], found: list[Found], failed: list) -> None:
         """The lookup drafts of the rows `at` (by index into `rows`), from their own contexts, in
-        one call, each kept in `found` where it matches more than the row's prediction. Should
-        the call raise, each row is looked up alone, so that a fault is blamed on its row."""
+        one call (a single row alone), each kept in `found` where it matches more than the row's
+        prediction. Should the call raise, each row is looked up alone, so that a fault is
+        blamed on its row."""
         indices = [rows[i].index for i in at]
         full = [budgets[i] for i in at]
         capped = [self.options.uncopied_budget(b) for b in full]
-        try:
-            drafts = context_drafts(
-                step.token_ids,
-                indices,
-                step.context_lengths(indices),
-                capped,
-                full_budgets=full,
-                max_match=self.options.lookup_max_match,
-            )
-        except Exception as err:
-            drafts = None
-            # (visible once: each row alone still drafts, but the step pays for both)
-            logger.log(
-                logging.DEBUG if self.batch_failed else logging.WARNING,
-                "self-admg's lookup of a batch's rows at once failed; each row is looked up alone: %r",
-                err,
-                exc_info=not self.batch_failed,
-            )
-            self.batch_failed = True
+        drafts = None
+        if len(at) > 1:  # (one row is looked up alone: a call over a batch costs it more than it saves)
+            try:
+                drafts = context_drafts(
+                    step.token_ids,
+                    indices,
+                    step.context_lengths(indices),
+                    capped,
+                    full_budgets=full,
+                    max_match=self.options.lookup_max_match,
+                )
+            except Exception as err:
+                # (visible once: each row alone still drafts, but the step pays for both)
+                logger.log(
+                    logging.DEBUG if self.batch_failed else logging.WARNING,
+                    "self-admg's lookup of a batch's rows at once failed; each row is looked up alone: %r",
+                    err,
+                    exc_info=not self.batch_failed,
+                )
+                self.batch_failed = True
         for n, i in enumerate(at):
             try:
                 looked_up = (DraftSource.LOOKUP, drafts[n]) if drafts is not None else self._row(step, rows[i], full[n])
