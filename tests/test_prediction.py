@@ -61,7 +61,8 @@ def test_a_rows_prediction_draft_carries_its_run_as_its_match_length():
 
     edited = FILE[:15] + [7, 8, 9] + FILE[20:]  # rejoins after the edit, then follows 2 more
     step = SimpleNamespace(prediction=lambda row, limit: FILE[:limit], output=lambda row: edited[: 20 + REJOIN_TOKENS])
-    source, draft = RowLookup(make_options({}), FailSafe())._predicted(step, SimpleNamespace(req_id="a", index=0), 4)
+    predictions = RowLookup(make_options({}), FailSafe()).predictions
+    source, draft = predictions.draft(step, SimpleNamespace(req_id="a", index=0), 4)
     want = (DraftSource.PREDICTION, FILE[22 + REJOIN_TOKENS : 26 + REJOIN_TOKENS], REJOIN_TOKENS + 2)
     assert (source, draft.tokens.tolist(), draft.match) == want
 

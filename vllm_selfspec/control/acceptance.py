@@ -332,9 +332,7 @@ class AcceptanceModel:
                 ends.append(ends[-1] + len(bins[-1]))
                 accepted.append(draft.accepted)
         if bins:
-            one = len(bins) == 1  # (mostly, at small batches: no copies then)
-            bins = (bins[0] if one else np.concatenate(bins)).astype(np.int64, copy=False)
-            priors = priors[0] if one else np.concatenate(priors)
+            bins, priors = np.concatenate(bins).astype(np.int64, copy=False), np.concatenate(priors)
             arrays = (self._bin_accepted, self._bin_trials, self._bin_verified, self._bin_rates)
             _observe_bins(bins, priors, np.array(ends), np.array(accepted), *arrays, BIN_DECAY)
 

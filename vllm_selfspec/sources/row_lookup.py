@@ -28,6 +28,7 @@ from vllm_selfspec.sources.lookup import (
     NO_DRAFT,
     UNKNOWN_TENANT,
     LookupDraft,
+    OutputHistory,
     TenantHistories,
     context_drafts,
     lookup_draft,
@@ -36,6 +37,45 @@ from vllm_selfspec.sources.prediction_cursor import PredictionCursor
 
 Found = tuple[DraftSource, LookupDraft]
 logger = logging.getLogger("vllm.selfspec")
+
+
+class RequestPredictions:
+    """Where each live request's output stands in its own prediction, if it sent one (a
+    `PredictionCursor` per request, made at its first step; None without a prediction)."""
+
+    def __init__(self, options: SelfAdmgOptions):
+        self.options = options
+        self.cursors: dict[str, PredictionCursor | None] = {}
+
+    def draft(self, step, row, budget: int) -> Found:
+        """The row's prediction where its output stands in it (NO_DRAFT without one, or lost)."""
+        if row.req_id not in self.cursors:
+            tokens = step.prediction(row.index, self.options.max_prediction_tokens)
+            self.cursors[row.req_id] = PredictionCursor(tokens) if tokens else None
+        cursor = self.cursors[row.req_id]
+        if cursor is None:
+            return DraftSource.LOOKUP, NO_DRAFT
+        fault_point("lookup", tokens=cursor.tokens)
+        cursor.follow(step.output(row.index))
+        tokens = cursor.draft(budget)
+        # (its run is its match length: how far the output has followed it here)
+        return DraftSource.PREDICTION, LookupDraft(tokens.copy(), match=cursor.run) if len(tokens) else NO_DRAFT
+
+    def stands_alone(self, row, draft: LookupDraft) -> bool:
+        """Whether the row's prediction draft stands without a lookup to compare: one the output
+        has followed since its first token, or for as long as a lookup can match. Otherwise (one
+        built to be left at every fourth token, say) the context's own repeats may draft better,
+        and the longer match drafts."""
+        cursor = self.cursors.get(row.req_id)
+        return bool(len(draft)) and (cursor.departures == 0 or draft.match >= self.options.lookup_max_match)
+
+    def keep_only(self, live_requests) -> None:
+        """Drop the cursors of requests the runner no longer holds, should one never be forgotten."""
+        if len(self.cursors) > 2 * len(live_requests) + 64:
+            self.cursors = {r: c for r, c in self.cursors.items() if r in live_requests}
+
+    def forget(self, req_id: str) -> None:
+        self.cursors.pop(req_id, None)
 
 
 class RowLookup:
@@ -53,7 +93,7 @@ class RowLookup:
         )
         self.quarantine = RequestQuarantine()
         self.tenants: dict[str, bytes | None] = {}  # live requests' salt digests (None: no salt)
-        self.cursors: dict[str, PredictionCursor | None] = {}  # live requests' (None: no prediction)
+        self.predictions = RequestPredictions(options)
         self.seconds = 0.0  # the last `find`'s time and rows looked up, for the lookup gate
         self.batch_failed = False  # whether a batch's lookup at once (`context_drafts`) has raised
         self.rows_looked_up = 0
@@ -65,8 +105,7 @@ class RowLookup:
         self.tenants.update(tenants)
         if len(self.tenants) > 2 * len(live_requests) + 64:
             self.tenants = {r: t for r, t in self.tenants.items() if r in live_requests}
-        if len(self.cursors) > 2 * len(live_requests) + 64:
-            self.cursors = {r: c for r, c in self.cursors.items() if r in live_requests}
+        self.predictions.keep_only(live_requests)
 
     def tenant(self, req_id: str):
         return self.tenants.get(req_id, UNKNOWN_TENANT)
@@ -96,15 +135,16 @@ class RowLookup:
             if budget:
                 tried += 1
                 try:
-                    source, draft = self._predicted(step, row, budget)
-                    if self.options.lookup and look_up and not self._trusted(row, draft):
+                    source, draft = self.predictions.draft(step, row, budget)
+                    if self.options.lookup and look_up and not self.predictions.stands_alone(row, draft):
                         self.rows_looked_up += 1
-                        if self.history is None or self.history.pool(self.tenant(row.req_id)) is None:
+                        pool = self.history.pool(self.tenant(row.req_id)) if self.history is not None else None
+                        if pool is None:
                             fault_point("lookup", tokens=step.context(row.index))
                             own_context.append(i)
                         else:
                             looked_up_at = time.perf_counter()
-                            source, draft = self._better(draft, source, self._row(step, row, budget))
+                            source, draft = self._better(draft, source, self._row(step, row, budget, pool))
                             lookup_seconds += time.perf_counter() - looked_up_at
                 except Exception as err:
                     failed.append((i, row, err))
@@ -185,33 +225,10 @@ class RowLookup:
             for row, budget, (source, draft), context in zip(rows, budgets, found, contexts)
         ]
 
-    def _trusted(self, row, draft: LookupDraft) -> bool:
-        """Whether the row's prediction draft stands without a lookup to compare: one the output
-        has followed since its first token, or for as long as a lookup can match. Otherwise (one
-        built to be left at every fourth token, say) the context's own repeats may draft better,
-        and the longer match drafts."""
-        cursor = self.cursors.get(row.req_id)
-        return bool(len(draft)) and (cursor.departures == 0 or draft.match >= self.options.lookup_max_match)
-
-    def _predicted(self, step, row, budget: int) -> Found:
-        """The row's prediction where its output stands in it (NO_DRAFT without one, or lost)."""
-        if row.req_id not in self.cursors:
-            tokens = step.prediction(row.index, self.options.max_prediction_tokens)
-            self.cursors[row.req_id] = PredictionCursor(tokens) if tokens else None
-        cursor = self.cursors[row.req_id]
-        if cursor is None:
-            return DraftSource.LOOKUP, NO_DRAFT
-        fault_point("lookup", tokens=cursor.tokens)
-        cursor.follow(step.output(row.index))
-        tokens = cursor.draft(budget)
-        # (its run is its match length: how far the output has followed it here)
-        return DraftSource.PREDICTION, LookupDraft(tokens.copy(), match=cursor.run) if len(tokens) else NO_DRAFT
-
-    def _row(self, step, row, budget: int) -> Found:
+    def _row(self, step, row, budget: int, history: OutputHistory | None = None) -> Found:
+        """The row's lookup draft, alone: from its own context and its tenant's `history`."""
         context = step.context(row.index)
         fault_point("lookup", tokens=context)
-        tenant = self.tenant(row.req_id)
-        history = self.history.pool(tenant) if self.history is not None else None
         try:
             return self._lookup(context, budget, history)
         except Exception as err:
@@ -219,7 +236,7 @@ class RowLookup:
                 raise
             # The tenant's history may be what raises: it goes, and the row drafts from its own
             # context (if that raises too, the row is at fault).
-            self.history.forget(tenant)
+            self.history.forget(self.tenant(row.req_id))
             self.fail_safe.record(err, one_request=True)
             return self._lookup(context, budget, None)
 
@@ -239,7 +256,7 @@ class RowLookup:
         quarantined (its output may be what faults) or a stop string ended it (the front end
         cut it at a point the worker does not know: its tail was never sent)."""
         tenant = self.tenants.pop(req_id, UNKNOWN_TENANT)
-        self.cursors.pop(req_id, None)
+        self.predictions.forget(req_id)
         quarantined = req_id in self.quarantine.requests
         self.quarantine.forget(req_id)
         params = getattr(request, "sampling_params", None)
