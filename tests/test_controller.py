@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer
+from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer, StepOffers
 from vllm_selfspec.control.acceptance import AcceptanceModel, token_bins
 from vllm_selfspec.sources.lookup import SEPARATOR, OutputHistory, context_drafts, lookup_draft, suffix_draft
 
@@ -87,7 +87,8 @@ def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
         full = rng.integers(0, 12, batch)
         capped, match = np.minimum(full, rng.integers(0, 12, batch)).tolist(), int(rng.integers(1, 8))
         got = context_drafts(token_ids, rows, lengths, capped, full_budgets=full.tolist(), max_match=match)
-        for draft, row, length, budget, whole in zip(got, rows, lengths, capped, full.tolist()):
+        for r, (row, length, budget, whole) in enumerate(zip(rows, lengths, capped, full.tolist())):
+            draft = got.draft(r)
             want = suffix_draft(token_ids[row, :length], budget, max_match=match)
             if budget < whole and want.match >= match:
                 want, copies = suffix_draft(token_ids[row, :length], whole, max_match=match), copies + 1
@@ -297,7 +298,7 @@ def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere()
     gains = controller.acceptance.lookup_gains(offer)
     assert gains == pytest.approx([0.75, 0.75 * 0.999])
     # What the proposer counts against verification's outcome: the gains of the tokens it drafts.
-    expected = controller.acceptance.step_gains([offer]).expected
+    expected = controller.acceptance.step_gains(StepOffers.of([offer])).expected
     assert expected(0, 1)[0] == pytest.approx(0.75)
     assert expected(0, 2)[0] == pytest.approx(sum(gains))
 
@@ -744,7 +745,7 @@ def test_a_draft_that_beats_the_margin_only_by_estimates_verification_does_not_b
         controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=estimate, self_rate=0.1)
         observe_shares(controller.acceptance.estimate_calibration[DraftSource.LOOKUP], accepted_share)
         offers = lookup_rows(*[1] * 45)
-        planned, estimated = controller.acceptance.step_gains(offers[:1]).expected(0, 1)
+        planned, estimated = controller.acceptance.step_gains(StepOffers.of(offers[:1])).expected(0, 1)
         assert estimated == pytest.approx(estimate)
         assert planned == pytest.approx(estimate * accepted_share, rel=0.02)
         assert (sum(controller.plan(offers, self_budget=0).lookup_lengths) > 0) == drafts
@@ -1248,8 +1249,9 @@ def test_the_lookup_plan_is_skipped_only_where_the_greedy_would_keep_no_token():
             trusted=[rng.random() < 0.5 for _ in offers],
             ahead=[rng.choice([-0.002, 0.0, 0.002, 0.004, 0.006, 0.02]) for _ in offers],
         )
-        plan = planner._greedy(offers, gain_table(gains), cost, (len(offers), t_plain + t_verify), protected=due)
-        if every_lookup_token_binds(due, offers, cost):
+        step = StepOffers.of(offers)
+        plan = planner._greedy(step, gain_table(gains), cost, (len(offers), t_plain + t_verify), protected=due)
+        if every_lookup_token_binds(due, step, cost):
             skipped += 1
             assert sum(plan.lookup_lengths) == 0, (due, cost, [o.lookup_tokens for o in offers])
         drafted += sum(plan.lookup_lengths) > 0
@@ -1285,7 +1287,8 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
         plan = controller.plan(offers, self_budget=0)
         assert plan.lookup_lengths == [4, 4] and controller.planner.ledger.planned is not None
         lessons.note_step()
-        prepared = SimpleNamespace(offers=offers, gains=controller.acceptance.step_gains(offers))
+        step_offers = StepOffers.of(offers)
+        prepared = SimpleNamespace(offers=step_offers, gains=controller.acceptance.step_gains(step_offers))
         for i, n in enumerate(plan.lookup_lengths):
             lessons.lookup_drafted(prepared, i, DraftSource.LOOKUP, n)
         lessons.step_ended(drafted=made)
@@ -1324,6 +1327,7 @@ def test_the_compiled_lookup_plan_is_the_plan_python_makes():
     compared = drafted = given_back = 0
     for _ in range(4000):
         offers = [RowOffer(f"r{i}", lookup_tokens=rng.choice([0, 1, 2, 4, 8])) for i in range(rng.randint(1, 40))]
+        step = StepOffers.of(offers)
         cost = [rng.choice([0.001, 0.002, rng.uniform(0.0005, 0.01)]) for _ in offers]
         gains = np.zeros((len(offers), 8))  # (a step's table, `AcceptanceModel.step_gains`)
         for i, o in enumerate(offers):
@@ -1342,7 +1346,7 @@ def test_the_compiled_lookup_plan_is_the_plan_python_makes():
         made = []
         for compiled in (True, False):
             planner.compiled_lookup_plan = compiled
-            choice = planner._greedy(offers, gains, cost, start, max_seconds=max_seconds, protected=protected)
+            choice = planner._greedy(step, gains, cost, start, max_seconds=max_seconds, protected=protected)
             made.append((choice.lookup_lengths, choice.tokens, choice.seconds, choice.self_length))
         planner.compiled_lookup_plan = True
         assert made[0] == made[1], (offers, gains, cost, due, protected is not None, max_seconds)
@@ -1351,7 +1355,7 @@ def test_the_compiled_lookup_plan_is_the_plan_python_makes():
         # (a plan held to the rule that keeps fewer tokens than the greedy alone took gave some back)
         if protected is not None:
             planner.compiled_lookup_plan = False
-            greedy_alone = planner._greedy(offers, gains, cost, start, max_seconds=max_seconds)
+            greedy_alone = planner._greedy(step, gains, cost, start, max_seconds=max_seconds)
             planner.compiled_lookup_plan = True
             given_back += sum(greedy_alone.lookup_lengths) > sum(made[0][0]) > 0
     assert compared == 4000 and drafted > 1000 and given_back > 100, (drafted, given_back)
@@ -1417,9 +1421,12 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
                 assert acceptance._bin_verified[learned_bins].tolist() == [by_bin[b].verified for b in learned_bins]
                 # (after every draft learned from: each bin's count crosses the threshold in turn)
                 trusted = [acceptance.trusted(o) for o in offers]
-                assert acceptance.trusted_rows(offers, acceptance.step_gains(offers)) == trusted
+                step = StepOffers.of(offers)
+                assert acceptance.trusted_rows(step, acceptance.step_gains(step)).tolist() == trusted
                 trusted_by_bins += sum(t and not acceptance._trusted_request(o.req_id) for t, o in zip(trusted, offers))
-        gains = acceptance.step_gains(offers)
+        step = StepOffers.of(offers)
+        assert step.rows == offers  # (the row-by-row paths plan from what the arrays hold)
+        gains = acceptance.step_gains(step)
         for i, o in enumerate(offers):
             planned, estimated = gains.planned[i].tolist(), gains.estimated[i].tolist()
             n = o.lookup_tokens

@@ -57,15 +57,18 @@ def test_plans_replay_as_recorded(recorded, workload, batch):
         assert now == then, f"{workload}, {batch} rows: step {step} planned differently"
 
 
-def test_the_plan_kernel_compiles_once():
-    """Every plan calls the compiled kernel with the types its warm-up compiled at the engine's
-    start: a second signature would be compiled in the middle of a serving step."""
-    from vllm_selfspec.control.lookup_plan import greedy_lookup_plan, warm_up
+def test_the_plan_and_gains_kernels_compile_once():
+    """Every plan, and every step's gains, call their compiled kernels with the types their
+    warm-ups compiled at the engine's start: a second signature would be compiled in the middle
+    of a serving step."""
+    from vllm_selfspec.control import acceptance, lookup_plan
 
-    warm_up()
+    lookup_plan.warm_up()
+    acceptance.warm_up()
     for workload in ("lookup", "prediction"):
         replay(workload, 8)
-    assert len(greedy_lookup_plan.signatures) == 1, greedy_lookup_plan.signatures
+    assert len(lookup_plan.greedy_lookup_plan.signatures) == 1, lookup_plan.greedy_lookup_plan.signatures
+    assert len(acceptance._lookup_gains.signatures) == 1, acceptance._lookup_gains.signatures
 
 
 def test_the_recording_drafts():

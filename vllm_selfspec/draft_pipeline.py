@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_selfspec.control import DraftController, DraftPlan, RowOffer, StepGains
+from vllm_selfspec.control import DraftController, DraftPlan, StepGains, StepOffers
+from vllm_selfspec.control.acceptance import SOURCES
 from vllm_selfspec.control.acceptance import warm_up as warm_up_acceptance
 from vllm_selfspec.control.first_tokens import FirstTokenPolicy, FirstTokens
 from vllm_selfspec.control.learning import StepLessons
@@ -22,7 +23,8 @@ from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.scheduler_note import SchedulerNote
 from vllm_selfspec.sources.lookup import warm_up as warm_up_lookup
 from vllm_selfspec.sources.prediction_cursor import warm_up as warm_up_prediction_cursor
-from vllm_selfspec.sources.row_lookup import Found, RowLookup
+from vllm_selfspec.sources.row_lookup import RowLookup
+from vllm_selfspec.sources.step_drafts import StepDrafts
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,8 @@ class PreparedStep:
     and gains, and this rank's plan, ready for the broadcast (`DraftPlan.as_ints`)."""
 
     step: object  # a StepView
-    found: list[Found]
-    offers: list[RowOffer]
+    found: StepDrafts
+    offers: StepOffers
     gains: StepGains
     plan_ints: list[int]
 
@@ -123,7 +125,7 @@ class DraftPipeline:
         plan = self.plan(offers, gains, self_budget, first_tokens)
         return PreparedStep(step, found, offers, gains, plan.as_ints())
 
-    def plan(self, offers: list[RowOffer], gains: StepGains, self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
+    def plan(self, offers: StepOffers, gains: StepGains, self_budget: int, first_tokens: FirstTokens) -> DraftPlan:
         """How much of each kind of draft pays this step (everything offered, if not adaptive)."""
         fault_point("plan")
         if first_tokens == FirstTokens.QUEUED:
@@ -149,11 +151,12 @@ class DraftPipeline:
 
     def take_lookup_drafts(self, prepared: PreparedStep, plan: DraftPlan, drafts: list[list[int]]) -> None:
         """The planned part of each row's lookup draft, into `drafts` (by batch row)."""
-        rows = prepared.step.rows
-        for i, (row, (source, draft), length) in enumerate(zip(rows, prepared.found, plan.lookup_lengths)):
-            if length:  # (what is learned is guarded on its own)
-                drafts[row.index] = draft.tokens[:length].tolist()
-                self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(prepared, i, source, length))  # noqa: B023
+        rows, found = prepared.step.rows, prepared.found
+        for i in [i for i, length in enumerate(plan.lookup_lengths) if length]:
+            source, length = SOURCES[found.sources[i]], plan.lookup_lengths[i]
+            drafts[rows[i].index] = found.taken(i, length)
+            # (what is learned is guarded on its own)
+            self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(prepared, i, source, length))  # noqa: B023
 
     def forget(self, req_id: str, request=None) -> None:
         """The request ended: drop what is tracked for it, and keep its output for its tenant's

@@ -10,7 +10,8 @@ Four parts, each unit-tested in tests/test_controller.py:
 - `lookup_gate`: whether looking up, paid every step before any plan, saves what it costs.
 
 `DraftController` holds the four for the proposer, which tells it what happened
-(`observe_*`) and asks it, each step, for a `DraftPlan`. Beside them, what feeds them and when:
+(`observe_*`) and asks it, each step, for a `DraftPlan` of the step's `offers` (what each row
+can draft, as arrays over the rows). Beside them, what feeds them and when:
 - `learning`: what a step taught once it ran (its time, each row's accepted draft tokens);
 - `first_tokens`: the worker's first-token rule (no drafts while a prompt waits for the step).
 """
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 
 from vllm_selfspec.control.acceptance import AcceptanceModel, AcceptanceRate, Calibration, DraftSource, StepGains
 from vllm_selfspec.control.lookup_gate import LookupGate
-from vllm_selfspec.control.planner import DraftPlan, DraftPlanner, RowOffer
+from vllm_selfspec.control.offers import RowOffer, StepOffers
+from vllm_selfspec.control.planner import DraftPlan, DraftPlanner
 from vllm_selfspec.control.step_costs import StepCostModel
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "DraftSource",
     "RowOffer",
     "StepGains",
+    "StepOffers",
 ]
 
 
@@ -80,8 +83,10 @@ class DraftController:
         self.planner.ledger.forget(req_id)
 
     # What to do.
-    def plan(self, offers: list[RowOffer], self_budget: int, **when) -> DraftPlan:
-        """`DraftPlanner.plan`; `when`: `draining`, `prompts_waiting` and `gains`, by name."""
+    def plan(self, offers: StepOffers | list[RowOffer], self_budget: int, **when) -> DraftPlan:
+        """`DraftPlanner.plan` (of a step's offers, or of each row's); `when`: `draining`,
+        `prompts_waiting` and `gains`, by name."""
+        offers = offers if isinstance(offers, StepOffers) else StepOffers.of(offers)
         return self.planner.plan(offers, self_budget, **when)
 
     def look_up_next(self, rows: int) -> bool:

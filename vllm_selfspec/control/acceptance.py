@@ -21,7 +21,6 @@ import bisect
 import functools
 from dataclasses import dataclass, field
 from enum import Enum
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -107,6 +106,7 @@ def token_bins(source: str, probs: tuple[float, ...], match: int, length: int, s
 
 
 SOURCE_INDEX = {source: i for i, source in enumerate(DraftSource)}
+SOURCES = tuple(DraftSource)  # a source by its index
 AGREEMENT_SLOTS = len(AGREEMENT_EDGES) + 2  # 0: no probabilities (one bin per source), 1 + bucket
 MATCH_BUCKETS = len(MATCH_EDGES) + 1
 NUM_BINS = len(DraftSource) * 2 * MATCH_BUCKETS * AGREEMENT_SLOTS
@@ -201,40 +201,50 @@ AGREEMENT = np.array(AGREEMENT_EDGES)
 
 
 @compiled
-def _lookup_gains(rows, lengths, request, factor, base, one_bin, probs, bin_rates, agreement, *out):
+def _lookup_gains(rows, request, offered, sources, source_rates, *out):
     """`AcceptanceModel.step_gains`' arithmetic, row by row and token by token, into `out`
     (planned, estimated, bins, priors; rows x depth): each token's agreement share (its
     probability over the previous one's) picks its bin, whose learned rate, or else that share,
-    times the request's factor, multiplies the row's gain so far (as `lookup_gains` does)."""
+    times the request's factor, multiplies the row's gain so far (as `lookup_gains` does).
+    `rows`: the rows that offer a draft, `request` each one's factor; `offered`: the step's
+    `StepOffers` arrays (lengths, sampled, match, has_probs, probs); `sources` each row's source,
+    whose rate and calibration factor `source_rates` holds (sources x 2)."""
+    lengths, sampled, match, has_probs, probs, bin_rates, agreement, match_edges = offered
     planned, estimated, bins, priors = out
     for r in range(len(rows)):
         row, gain = rows[r], 1.0
-        for j in range(lengths[r]):
-            share, slot = probs[r, j], 0
-            if not one_bin[r]:
-                share = share / (probs[r, j - 1] if j > 0 else 1.0)
+        source = sources[row]
+        rate, factor = source_rates[source, 0], source_rates[source, 1]
+        match_bucket = 0
+        for edge in match_edges:
+            match_bucket += edge <= match[row]
+        base = ((source * 2 + sampled[row]) * MATCH_BUCKETS + match_bucket) * AGREEMENT_SLOTS
+        for j in range(lengths[row]):
+            share, slot = rate, 0  # (no probabilities: one bin, its prior the source's rate)
+            if has_probs[row]:
+                share = probs[row, j] / (probs[row, j - 1] if j > 0 else 1.0)
                 slot = 1
                 for edge in agreement:
                     slot += edge <= share
-            token_bin = base[r] + slot
-            rate = bin_rates[token_bin]
-            gain *= min((share if np.isnan(rate) else rate) * request[r], 0.999)
-            estimated[row, j], planned[row, j] = gain, min(gain * factor[r], 0.999)
+            token_bin = base + slot
+            learned = bin_rates[token_bin]
+            gain *= min((share if np.isnan(learned) else learned) * request[r], 0.999)
+            estimated[row, j], planned[row, j] = gain, min(gain * factor, 0.999)
             bins[row, j], priors[row, j] = token_bin, share
+
+
+MATCH = np.array(MATCH_EDGES)
 
 
 def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache) at the engine's start."""
     model = AcceptanceModel()
-    offer = SimpleNamespace(
-        req_id="",
-        lookup_tokens=2,
-        lookup_probs=(0.5, 0.25),
-        lookup_source=DraftSource.LOOKUP,
-        sampled=False,
-        lookup_match=2,
-    )  # (a `planner.RowOffer`'s fields that the gains read)
-    model.step_gains([offer])
+    # (a step of one row offering two tokens, as `step_gains` passes a step's `StepOffers`)
+    one, two = np.zeros(1, dtype=np.int64), np.full(1, 2, dtype=np.int64)
+    offered = (two, np.zeros(1, dtype=bool), two, np.ones(1, dtype=bool), np.array([[0.5, 0.25]]))
+    out = (np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2)))
+    rates = np.ones((len(SOURCES), 2))
+    _lookup_gains(one, np.ones(1), (*offered, model._bin_rates, AGREEMENT, MATCH), one, rates, *out)
     model.observe_draft("warm-up", DraftSource.LOOKUP, 1, 1, Calibration(np.zeros(1, np.int64), np.ones(1)))
 
 
@@ -374,17 +384,14 @@ class AcceptanceModel:
             return own
         return all(self._bin_verified[bin_id(token_bin)] >= TRUSTED_BIN_TOKENS for token_bin in set(offer.lookup_bins))
 
-    def trusted_rows(self, offers, gains: StepGains) -> list[bool]:
-        """`trusted` of every offer, the bins' part over the step's arrays."""
+    def trusted_rows(self, offers, gains: StepGains) -> np.ndarray:
+        """`trusted` of every row of a step's offers (`offers.StepOffers`), as an array."""
         trusted_requests = self._trusted_requests
-        own = [o.req_id in trusted_requests for o in offers]
+        own = np.fromiter((r in trusted_requests for r in offers.req_ids), dtype=bool, count=len(offers))
         bins = gains.bins
         verified = np.where(bins >= 0, self._bin_verified[bins], TRUSTED_BIN_TOKENS) >= TRUSTED_BIN_TOKENS
-        by_bins = verified.all(axis=1).tolist()
-        return [
-            mine or (bool(o.lookup_tokens) and o.lookup_source != DraftSource.PREDICTION and in_bins)
-            for o, mine, in_bins in zip(offers, own, by_bins)
-        ]
+        looked_up = (offers.lookup_tokens > 0) & (offers.sources != SOURCE_INDEX[DraftSource.PREDICTION])
+        return own | (looked_up & verified.all(axis=1))
 
     def _trusted_request(self, req_id: str) -> bool:
         """Whether the request's own rate is trusted, from its rates (`_trusted_requests`' reference)."""
@@ -430,34 +437,28 @@ class AcceptanceModel:
         return self.scaled(source, gains) if scaled else gains
 
     def step_gains(self, offers) -> StepGains:
-        """`lookup_gains` of every offer at once, to the last bit: each token's bin and prior
-        from its agreement share, its rate from the bins' array, the products along each row."""
-        width = max((o.lookup_tokens for o in offers), default=0)
+        """`lookup_gains` of every row of a step's offers (`offers.StepOffers`) at once, to the
+        last bit: each token's bin and prior from its agreement share, its rate from the bins'
+        array, the products along each row. Python only for the rows that offer a draft."""
+        lengths = offers.lookup_tokens
+        width = int(lengths.max(initial=0))
         estimated = np.zeros((len(offers), max(width, 1)))
         bins, priors = np.full(estimated.shape, -1, dtype=np.int64), np.zeros(estimated.shape)
-        rows = [i for i, o in enumerate(offers) if o.lookup_tokens]
-        if not rows:
+        rows = np.flatnonzero(lengths)
+        if not len(rows):
             return StepGains(estimated, estimated, bins, priors)
-        # The offers' own fields, a list each; the rest is one kernel over the rows.
-        by_source = {s: (self.rates[s].rate, self.estimate_calibration[s].factor, SOURCE_INDEX[s]) for s in LOOKED_UP}
-        by_request, fields, padded = self._by_request, [], []
-        for i in rows:
-            offer = offers[i]
-            source = offer.lookup_source
-            source = source if type(source) is DraftSource else DraftSource(source)
-            rate, factor, index = by_source[source]
-            own = by_request.get((offer.req_id, source))
-            request = (own.rate if own is not None else rate) / rate
-            n, probs = offer.lookup_tokens, offer.lookup_probs
-            match_bucket = bisect.bisect_right(MATCH_EDGES, offer.lookup_match)
-            base = ((index * 2 + offer.sampled) * MATCH_BUCKETS + match_bucket) * AGREEMENT_SLOTS
-            fields.append((i, n, request, factor, base, not probs))
-            # (no probabilities: one bin, its prior the source's rate)
-            padded.append(probs[:n] + (1.0,) * (width - n) if probs else (rate,) * width)
-        at, lengths, request, factor, base, one_bin = (np.array(f) for f in zip(*fields))
+        # Per source: its rate and calibration factor; per row: its request's rate over its source's.
+        source_rates = np.ones((len(SOURCES), 2))
+        for source in LOOKED_UP:
+            source_rates[SOURCE_INDEX[source]] = self.rates[source].rate, self.estimate_calibration[source].factor
+        by_request, req_ids, request = self._by_request, offers.req_ids, []
+        for i, s in zip(rows.tolist(), offers.sources[rows].tolist()):
+            own, rate = by_request.get((req_ids[i], SOURCES[s])), source_rates[s, 0]
+            request.append((own.rate if own is not None else rate) / rate)
+        offered = (offers.lookup_tokens, offers.sampled, offers.match, offers.has_probs, offers.probs)
         planned = np.zeros_like(estimated)
         _lookup_gains(
-            at, lengths, request, factor, base, one_bin, np.array(padded, dtype=np.float64), self._bin_rates, AGREEMENT,
+            rows, np.array(request), (*offered, self._bin_rates, AGREEMENT, MATCH), offers.sources, source_rates,
             planned, estimated, bins, priors,
         )  # fmt: skip
         return StepGains(planned, estimated, bins, priors)

@@ -103,11 +103,11 @@ class StepLessons:
     def lookup_drafted(self, prepared, row: int, source: DraftSource, length: int) -> None:
         """What to learn from a row's lookup draft once it is verified: its tokens' bins, and
         how many of them the planner expected accepted (`prepared.gains`, as it planned)."""
-        gains, offer = prepared.gains, prepared.offers[row]
+        gains, offers = prepared.gains, prepared.offers
         planned, estimated = gains.expected(row, length)
         # (rank 0's plan, which every rank follows, may draft a row this rank found no draft for)
-        calibration = gains.calibration(row, min(length, offer.lookup_tokens))
-        self.drafted[offer.req_id] = DraftMade(source, length, calibration, planned, estimated)
+        calibration = gains.calibration(row, min(length, int(offers.lookup_tokens[row])))
+        self.drafted[offers.req_ids[row]] = DraftMade(source, length, calibration, planned, estimated)
         self.counters.lookup_tokens += length
         if source == DraftSource.HISTORY:
             self.counters.history_tokens += length

@@ -13,47 +13,23 @@ arithmetic").
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, StepGains, token_bins
+from vllm_selfspec.control.acceptance import AcceptanceModel, StepGains
 from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
 from vllm_selfspec.control.lookup_plan import NO_DUE, greedy_lookup_plan
+from vllm_selfspec.control.offers import RowOffer, StepOffers
 from vllm_selfspec.control.row_ledger import PlannedStep, RowLedger
 from vllm_selfspec.control.step_costs import StepCostModel
 
 DRAFT_MARGIN = 0.2  # a draft token's gain per second must beat the step's rate by this share
 FIRST_TOKEN_SLACK = 0.05  # how much longer than plain's a step a new prompt waits for may be
 ROW_SLACK = 0.02  # how much below plain decoding's rate the plan may leave any row
-__all__ = ["FIRST_RETRY_AFTER", "DraftPlan", "DraftPlanner", "RowOffer"]
-
-
-@dataclass
-class RowOffer:
-    """What one row of the batch can draft this step."""
-
-    req_id: str = ""
-    lookup_tokens: int = 0  # offered by lookup, from the row's own context or from history
-    lookup_source: DraftSource = DraftSource.LOOKUP
-    can_self_draft: bool = False  # budget left: may draft with the model (instead of lookup)
-    sampled: bool = False  # temperature > 0: verifying its drafts costs a softmax each
-    lookup_probs: tuple[float, ...] = ()  # per lookup token, see vllm_selfspec.sources.lookup
-    lookup_match: int = 0
-    remaining: int | None = None  # tokens the request may still emit (None: no limit known)
-    has_mask: bool = False  # its prompt is probed already: a self-draft needs no probe
-    context: int = 0  # tokens each of its logit rows attends over
-
-    @property
-    def tokens_left(self) -> float:
-        return math.inf if self.remaining is None else self.remaining
-
-    @functools.cached_property  # (asked several times a plan; an offer is not changed once made)
-    def lookup_bins(self) -> list[tuple]:
-        return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup_tokens, self.sampled)
+__all__ = ["FIRST_RETRY_AFTER", "DraftPlan", "DraftPlanner", "RowOffer", "StepOffers"]
 
 
 @dataclass
@@ -64,14 +40,10 @@ class DraftPlan:
     self_rows: list[bool] = field(default_factory=list)  # per offer: drafts with the model if any
 
     @staticmethod
-    def everything(offers: list[RowOffer], self_budget: int) -> DraftPlan:
+    def everything(offers: StepOffers, self_budget: int) -> DraftPlan:
         """Every lookup draft whole, self-drafts of the full budget where lookup has none."""
-        return DraftPlan(
-            [o.lookup_tokens for o in offers],
-            self_budget,
-            False,
-            [o.can_self_draft and not o.lookup_tokens for o in offers],
-        )
+        self_rows = offers.can_self_draft & (offers.lookup_tokens == 0)
+        return DraftPlan(offers.lookup_tokens.tolist(), self_budget, False, self_rows.tolist())
 
     @staticmethod
     def nothing(rows: int) -> DraftPlan:
@@ -199,7 +171,7 @@ class DraftPlanner:
 
     def plan(
         self,
-        offers: list[RowOffer],
+        offers: StepOffers,
         self_budget: int,
         draining: bool = False,
         prompts_waiting: bool = False,
@@ -212,46 +184,46 @@ class DraftPlanner:
         offers' lookup gains (`AcceptanceModel.step_gains`), if made already."""
         self.ledger.plan_made(None)
         if not self.costs.ready:  # learn the step cost first, with the drafts that cost nothing
-            return DraftPlan([o.lookup_tokens for o in offers], 0, False, [False] * len(offers))
+            return DraftPlan(offers.lookup_tokens.tolist(), 0, False, [False] * len(offers))
         step = self.costs.target()
-        cost = [max(step.t_row + step.t_sampled * o.sampled + step.t_context * o.context / 1000, 1e-9) for o in offers]
+        cost = step.t_row + step.t_sampled * offers.sampled + step.t_context * offers.context / 1000
+        cost = np.maximum(cost, 1e-9).tolist()  # (a list: the plans made in Python index it per token)
         plain_seconds = step.t0 + sum(cost)
         step_gains = self.acceptance.step_gains(offers) if gains is None else gains
         gains = step_gains.planned
         # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
         # than a self-draft's.
-        a_self = self.acceptance.self_rate
-        self_rows = [
-            i
-            for i, o in enumerate(offers)
-            if o.can_self_draft and (not o.lookup_tokens or (self.costs.self_step_measured and gains[i][0] < a_self))
-        ]
+        rather_self = offers.lookup_tokens == 0
+        if self.costs.self_step_measured:
+            rather_self |= gains[:, 0] < self.acceptance.self_rate
         if prompts_waiting:  # a probe costs a few target steps, past any slack: measured rows only
-            self_rows = [i for i in self_rows if offers[i].has_mask]
+            rather_self &= offers.has_mask
+        self_rows = np.flatnonzero(offers.can_self_draft & rather_self).tolist()
         if draining and len(offers) > 1:  # (one row's end is the batch's: the steady plan is that)
-            choice = draining_choice(offers, gains, cost, step, self_budget, self.acceptance.self_rate, self.costs)
+            rows = offers.rows
+            choice = draining_choice(rows, gains, cost, step, self_budget, self.acceptance.self_rate, self.costs)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
             # step, on up to K/(K+1) of the steps left to the batch's end.
             self_step = self.costs.self_step_seconds(len(self_rows))
-            choice.best_self_saving = (step.t0 - self_step - step.t_verify) * max(o.tokens_left for o in offers)
+            choice.best_self_saving = (step.t0 - self_step - step.t_verify) * max(o.tokens_left for o in rows)
         else:
             t0, t_verify = step.t0, step.t_verify
             choice = self._steady(offers, step_gains, cost, t0, t_verify, self_rows, self_budget, prompts_waiting)
         explored = False
         if self_rows and choice.self_length == 0 and self_budget and not prompts_waiting:
-            retry_seconds = lambda rows: retry_step_seconds(self.costs, offers, cost, step, rows)  # noqa: E731
             # (a retry credits no row: its acceptance is what it measures)
             protected = self.protect_rows and len(offers) > 1 and not draining
-            ids = [o.req_id for o in offers]
-            room = self.ledger.room(ids, plain_seconds, choice.seconds) if protected else math.inf
-            explored = self._maybe_retry(offers, self_rows, choice, self_budget, seconds=retry_seconds, room=room)
+            room = lambda: self.ledger.room(offers.req_ids, plain_seconds, choice.seconds)  # noqa: E731
+            explored = self.retries.due() and self._retry(
+                offers, self_rows, choice, self_budget, cost, step, room=room if protected else None
+            )
         elif choice.self_length > 0:
             self.retries.in_use()
         if not draining or len(offers) == 1:
-            self.ledger.plan_made(PlannedStep(tuple(o.req_id for o in offers), plain_seconds, choice.seconds))
-        return DraftPlan(
-            choice.lookup_lengths, choice.self_length, explored, [i in choice.self_rows for i in range(len(offers))]
-        )
+            self.ledger.plan_made(PlannedStep(tuple(offers.req_ids), plain_seconds, choice.seconds))
+        chosen = choice.self_rows
+        self_rows = [i in chosen for i in range(len(offers))] if chosen else [False] * len(offers)
+        return DraftPlan(choice.lookup_lengths, choice.self_length, explored, self_rows)
 
     def _steady(self, offers, step_gains, cost, t0, t_verify, self_rows, self_budget, prompts_waiting=False) -> Choice:
         """The plan with the most tokens per second: lookup only, or self-drafts for
@@ -259,33 +231,34 @@ class DraftPlanner:
         its lookup draft); no longer than plain's by more than FIRST_TOKEN_SLACK if
         `prompts_waiting`."""
         plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=t0 + sum(cost))
-        if not self_rows and not any(o.lookup_tokens for o in offers):
+        offered = bool(offers.lookup_tokens.any())
+        if not self_rows and not offered:
             return plain  # (nothing offered: the plan below would come to plain's, at a cost per row)
         max_seconds = plain.seconds * (1 + FIRST_TOKEN_SLACK) if prompts_waiting else math.inf
         self_token_cost = self_token_seconds(self.costs, cost, self_rows)
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
-        gains, protected = step_gains.planned, None
-        if self.protect_rows and len(offers) > 1:
-            ahead = self.ledger.ahead([o.req_id for o in offers])
-            trusted = self.acceptance.trusted_rows(offers, step_gains)
-            # A row behind its pace is credited nothing: its estimates have fallen short.
-            protected = RowDue(plain.seconds, t_verify, [t and a >= 0 for t, a in zip(trusted, ahead)], ahead)
-        if protected and every_lookup_token_binds(protected, offers, cost):
-            best = plain  # (the greedy would give every token back, and then not beat plain)
-        else:
-            best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds, protected=protected)
-        if (
+        self_may_pay = bool(
             self_rows
             and self.costs.self_step_measured
             and self_budget
             and self_draft_may_pay(len(self_rows) * self.acceptance.self_rate, self_token_cost, verifying)
-        ):
+        )
+        # (neither a lookup draft nor a self-draft that may pay: plain's plan, with no rule to weigh)
+        best, gains, protected = plain, step_gains.planned, None
+        if offered or self_may_pay:
+            if self.protect_rows and len(offers) > 1:
+                protected = self._row_due(offers, step_gains, plain.seconds, t_verify)
+            if not (protected and every_lookup_token_binds(protected, offers, cost)):
+                # (else the greedy would give every lookup token back, and then not beat plain)
+                best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds, protected=protected)
+        if self_may_pay:
             with_self = self._greedy(
                 offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, max_seconds, protected
             )
-            unpaid = unpaid_probes(self.costs, offers, self_rows, max(best, plain, key=lambda c: c.rate), with_self)
+            without_self = max(best, plain, key=lambda c: c.rate)
+            unpaid = unpaid_probes(self.costs, offers, self_rows, without_self, with_self)
             if unpaid:  # plan again without them (they may still take their lookup drafts)
                 kept = [i for i in self_rows if i not in unpaid]
                 kept_cost = self_token_seconds(self.costs, cost, kept)
@@ -302,21 +275,29 @@ class DraftPlanner:
         # prices its own probe (retry_pays).
         # At best each self-draft token costs self_token_cost / m, not the plan's seconds per token.
         per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
-        best.best_self_saving = per_token * sum(offers[i].tokens_left for i in self_rows)
+        best.best_self_saving = per_token * sum(offers.remaining[self_rows].tolist())
         return best
 
-    def _maybe_retry(self, offers, self_rows, choice: Choice, self_budget: int, *, seconds, room: float) -> bool:
-        """Turn `choice` into a one-step self-draft retry when one is due and could pay: with
-        the rows that have a mask, or else one new row (one probe); if it costs (`seconds` of
-        the retry's rows) no more than every row allows (`room`: the per-row rule)."""
-        retry_rows = {i for i in self_rows if offers[i].has_mask} or {self_rows[0]}
-        if not self.retries.due() or seconds(retry_rows) > room:
+    def _row_due(self, offers: StepOffers, step_gains: StepGains, t_plain: float, t_verify: float) -> RowDue:
+        """What the per-row rule holds this step's rows to: each row's pace, and its trust."""
+        ahead = self.ledger.ahead(offers.req_ids)
+        # A row behind its pace is credited nothing: its estimates have fallen short.
+        credited = self.acceptance.trusted_rows(offers, step_gains) & (np.array(ahead) >= 0)
+        return RowDue(t_plain, t_verify, credited.tolist(), ahead)
+
+    def _retry(self, offers: StepOffers, self_rows, choice: Choice, self_budget: int, cost, step, *, room) -> bool:
+        """Turn `choice` into a one-step self-draft retry (one is due) if it could pay: with the
+        rows that have a mask, or else one new row (one probe); if it costs no more than every
+        row allows (`room()`: what the per-row rule leaves; None: no rule)."""
+        retry_rows = {i for i in self_rows if offers.has_mask[i]} or {self_rows[0]}
+        seconds = retry_step_seconds(self.costs, offers, cost, step, retry_rows)
+        if room is not None and seconds > room():
             return False
         if not retry_pays(self.costs, offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
             return False
         self.retries.retried()
         choice.self_length, choice.self_rows = 1, retry_rows
-        choice.seconds += seconds(retry_rows)
+        choice.seconds += seconds
         choice.lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(choice.lookup_lengths)]
         return True
 
@@ -338,6 +319,7 @@ class DraftPlanner:
         row."""
         if not self_rows and self.compiled_lookup_plan:
             return compiled_lookup_choice(offers, gains, cost, start, max_seconds, protected)
+        offers = offers.rows  # (token by token, row by row)
         tokens, seconds = start
         protection = RowProtection(protected) if protected else None
         choice = Choice([0] * len(offers), self_rows=set(self_rows))
@@ -385,11 +367,11 @@ class DraftPlanner:
         return choice
 
 
-def compiled_lookup_choice(offers, gains, cost, start, max_seconds, protected: RowDue | None) -> Choice:
+def compiled_lookup_choice(offers: StepOffers, gains, cost, start, max_seconds, protected: RowDue | None) -> Choice:
     """`DraftPlanner._greedy` without self-drafts, by the compiled kernel over the batch's arrays."""
-    depth = max((o.lookup_tokens for o in offers), default=0)
+    offered = offers.lookup_tokens
+    depth = int(offered.max(initial=0))
     gain_table = np.ascontiguousarray(gains[:, : max(depth, 1)], dtype=float)
-    offered = np.fromiter((o.lookup_tokens for o in offers), dtype=np.int64, count=len(offers))
     due = (
         (
             float(protected.t_plain),
@@ -422,33 +404,33 @@ def self_token_seconds(costs: StepCostModel, cost, self_rows) -> float:
     return sum(cost[i] for i in self_rows) + costs.self_step_seconds(len(self_rows))
 
 
-def unpaid_probes(costs: StepCostModel, offers, self_rows, without_self: Choice, with_self: Choice) -> set[int]:
+def unpaid_probes(costs: StepCostModel, offers: StepOffers, self_rows, without_self: Choice, with_self: Choice):
     """The rows without a mask whose probe costs more than self-drafting would save them: the
     seconds per token that self-drafting saves this step (over the whole batch, an
     approximation of a row's own share), times each row's tokens left. In a server every
     request is new once; a probe costs a few target steps, more than a short request can win
     back. Before any probe is timed, probes are free (to time one)."""
     probe = costs.probe_seconds
-    new = {i for i in self_rows if not offers[i].has_mask}
+    new = {i for i in self_rows if not offers.has_mask[i]}
     saving = without_self.seconds / without_self.tokens - with_self.seconds / with_self.tokens
     if probe is None or not new or not with_self.self_length or saving <= 0:
         return set()  # (with no saving, self-drafting is not chosen anyway)
-    return {i for i in new if saving * offers[i].tokens_left < probe}
+    return {i for i in new if saving * offers.remaining[i].item() < probe}
 
 
-def retry_step_seconds(costs: StepCostModel, offers, cost, step, rows) -> float:
+def retry_step_seconds(costs: StepCostModel, offers: StepOffers, cost, step, rows) -> float:
     """What a one-token self-draft retry over `rows` adds to a step: the draft step, its probe
     if the rows have no mask yet, and their verification."""
     draft_step = costs.self_step_seconds(len(rows))
     return draft_step + probe_seconds(costs, offers, rows) + sum(cost[i] for i in rows) + step.t_verify
 
 
-def probe_seconds(costs: StepCostModel, offers, rows) -> float:
+def probe_seconds(costs: StepCostModel, offers: StepOffers, rows) -> float:
     """The probe a self-draft over `rows` needs first: none once they have a mask."""
-    return 0.0 if offers[next(iter(rows))].has_mask else costs.probe_seconds or 0.0
+    return 0.0 if offers.has_mask[next(iter(rows))] else costs.probe_seconds or 0.0
 
 
-def retry_pays(costs: StepCostModel, offers, retry_rows, best_saving: float) -> bool:
+def retry_pays(costs: StepCostModel, offers: StepOffers, retry_rows, best_saving: float) -> bool:
     """Whether a retry could pay back what it costs, one draft step over `retry_rows` and a
     probe if they have no mask yet: probes cost a few target steps, and retries whose best
     case saves less only slow a batch down. A source never measured is always worth a try."""
@@ -507,7 +489,7 @@ def self_draft_may_pay(gain: float, seconds: float, start: tuple[float, float]) 
     return beats_by_margin(gain / seconds, start[0] / start[1])
 
 
-def every_lookup_token_binds(due: RowDue, offers, cost) -> bool:
+def every_lookup_token_binds(due: RowDue, offers: StepOffers, cost) -> bool:
     """A sufficient sign that every lookup token would leave some row short of its due, so that
     the lookup plan is plain decoding's, known before any greedy plan is made (at capacity on
     chat, most steps). A row credited nothing allows the step to grow by its slack and what it
@@ -515,18 +497,15 @@ def every_lookup_token_binds(due: RowDue, offers, cost) -> bool:
     allow the batch's cheapest token with verification's fixed cost, or two with drafts that
     cannot allow the batch's cheapest token, leave no token any row may take. (It looks at
     untrusted rows only: a check, not the rule.)"""
-    offered = [c for c, offer in zip(cost, offers) if offer.lookup_tokens]
-    if not offered:
+    offered = offers.lookup_tokens > 0
+    if not offered.any():
         return True
-    cheapest = min(offered)
-    # (a row's allowance before any token is taken: for a row credited nothing, its slack and
-    # what it is ahead)
-    blocking = [
-        offer.lookup_tokens
-        for offer, trusted, allowed in zip(offers, due.trusted, RowProtection(due).allowances)
-        if not trusted and allowed < cheapest + (0.0 if offer.lookup_tokens else due.t_verify)
-    ]
-    return len(blocking) >= 2 or 0 in blocking
+    cheapest = np.asarray(cost)[offered].min()
+    # A row's allowance before any token is taken (`RowProtection`'s, credited and drafting
+    # nothing): its slack and what it is ahead.
+    allowed = due.t_plain * ((1 + 0.0) / (1 - ROW_SLACK) - 1) + np.asarray(due.ahead, dtype=float)
+    blocking = ~np.asarray(due.trusted, dtype=bool) & (allowed < cheapest + np.where(offered, 0.0, due.t_verify))
+    return bool(blocking.sum() >= 2 or (blocking & ~offered).any())
 
 
 class GiveBack:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -327,6 +328,20 @@ def _context_drafts(token_ids, rows, max_match, min_prob, tokens, probs, out):
         out[r, 0], out[r, 1] = n, match
 
 
+class ContextDrafts(NamedTuple):
+    """Drafts of many rows at once (`context_drafts`), a row each: its tokens and their
+    probabilities (0 past its draft), its length and its match length."""
+
+    tokens: np.ndarray  # int64, rows x the largest budget
+    probs: np.ndarray  # float64
+    lengths: np.ndarray  # int64
+    match: np.ndarray  # int64
+
+    def draft(self, r: int) -> LookupDraft:
+        n = int(self.lengths[r])
+        return LookupDraft(self.tokens[r, :n], tuple(self.probs[r, :n].tolist()), int(self.match[r])) if n else NO_DRAFT
+
+
 def context_drafts(
     token_ids: np.ndarray,
     rows: list[int],
@@ -336,7 +351,7 @@ def context_drafts(
     full_budgets: list[int] | None = None,
     max_match: int = 24,
     min_prob: float = 0.1,
-) -> list[LookupDraft]:
+) -> ContextDrafts:
     """`suffix_draft(token_ids[row, :length], budget)` of many rows at once (the batch's token
     ids as vLLM keeps them, read in place), in one compiled call: a call's own cost is most of
     a lookup's. A draft that copies (it matches `max_match` tokens) is looked up again for the
@@ -347,11 +362,7 @@ def context_drafts(
     tokens, probs = np.zeros((len(rows), width), dtype=np.int64), np.zeros((len(rows), width))
     out = np.zeros((len(rows), 2), dtype=np.int64)
     _context_drafts(token_ids, inputs, int(max_match), float(min_prob), tokens, probs, out)
-    shares = probs.tolist()
-    return [
-        LookupDraft(tokens[r, :n], tuple(shares[r][:n]), match) if n else NO_DRAFT
-        for r, (n, match) in enumerate(out.tolist())
-    ]
+    return ContextDrafts(tokens, probs, out[:, 0], out[:, 1])
 
 
 def warm_up() -> None:

@@ -17,11 +17,13 @@ blamed for what strikes all). A history that raises is dropped for its tenant.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
 
-from vllm_selfspec.control import DraftSource, RowOffer
+from vllm_selfspec.control import DraftSource
+from vllm_selfspec.control.offers import StepOffers
 from vllm_selfspec.operations.fail_safe import FailSafe, RequestQuarantine, fault_point
 from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.sources.lookup import (
@@ -34,8 +36,8 @@ from vllm_selfspec.sources.lookup import (
     lookup_draft,
 )
 from vllm_selfspec.sources.prediction_cursor import PredictionCursor
+from vllm_selfspec.sources.step_drafts import Found, StepDrafts
 
-Found = tuple[DraftSource, LookupDraft]
 logger = logging.getLogger("vllm.selfspec")
 
 
@@ -121,37 +123,39 @@ class RowLookup:
         nobody = self.quarantine.empty
         return [row.draft_budget(k) if row.may_draft and (nobody or self.allowed(step, row)) else 0 for row in rows]
 
-    def find(self, step, rows, budgets: list[int], look_up: bool) -> list[Found]:
+    def find(self, step, rows, budgets: list[int], look_up: bool) -> StepDrafts:
         """Each row's draft: its prediction's or its best lookup draft if `look_up`, whichever
-        matches more (the prediction's on a tie; NO_DRAFT where neither offers one or the budget
+        matches more (the prediction's on a tie; none where neither offers one or the budget
         is 0). `budgets`: 0 for a row out of quarantine (`allowed`); a row whose lookup raises
         is quarantined now, and its budget set to 0. Rows whose tenant has no history look up
         their own context in one compiled call (`lookup.context_drafts`)."""
         fault_point("lookup")
-        found, failed, tried, own_context = [], [], 0, []
+        drafts = StepDrafts.empty(len(rows), max(budgets, default=0))
+        failed, tried, own_context = [], 0, []
         lookup_seconds, self.rows_looked_up = 0.0, 0
         for i, (row, budget) in enumerate(zip(rows, budgets)):
-            source, draft = DraftSource.LOOKUP, NO_DRAFT
-            if budget:
-                tried += 1
-                try:
-                    source, draft = self.predictions.draft(step, row, budget)
-                    if self.options.lookup and look_up and not self.predictions.stands_alone(row, draft):
-                        self.rows_looked_up += 1
-                        pool = self.history.pool(self.tenant(row.req_id)) if self.history is not None else None
-                        if pool is None:
-                            fault_point("lookup", tokens=step.context(row.index))
-                            own_context.append(i)
-                        else:
-                            looked_up_at = time.perf_counter()
-                            source, draft = self._better(draft, source, self._row(step, row, budget, pool))
-                            lookup_seconds += time.perf_counter() - looked_up_at
-                except Exception as err:
-                    failed.append((i, row, err))
-            found.append((source, draft))
+            if not budget:
+                continue
+            tried += 1
+            try:
+                predicted = self.predictions.draft(step, row, budget)
+                if len(predicted[1]):
+                    drafts.put(i, predicted)
+                if self.options.lookup and look_up and not self.predictions.stands_alone(row, predicted[1]):
+                    self.rows_looked_up += 1
+                    pool = self.history.pool(self.tenant(row.req_id)) if self.history is not None else None
+                    if pool is None:
+                        fault_point("lookup", tokens=step.context(row.index))
+                        own_context.append(i)
+                    else:
+                        looked_up_at = time.perf_counter()
+                        self._keep_better(drafts, i, self._row(step, row, budget, pool))
+                        lookup_seconds += time.perf_counter() - looked_up_at
+            except Exception as err:
+                failed.append((i, row, err))
         if own_context:
             looked_up_at = time.perf_counter()
-            self._look_up_own_contexts(step, rows, budgets, own_context, found, failed)
+            self._look_up_own_contexts(step, rows, budgets, own_context, drafts, failed)
             lookup_seconds += time.perf_counter() - looked_up_at
         if failed and len(failed) == tried > 1:
             raise failed[0][2]
@@ -160,24 +164,22 @@ class RowLookup:
             self.quarantine.blame(row.req_id, self.tenant(row.req_id), step.prompt(row.index))
             budgets[i] = 0
         self.seconds = lookup_seconds  # what the lookup gate weighs: lookups only, not predictions
-        return found
+        return drafts
 
-    def _look_up_own_contexts(self, step, rows, budgets, at: list[int], found: list[Found], failed: list) -> None:
+    def _look_up_own_contexts(self, step, rows, budgets, at: list[int], drafts: StepDrafts, failed: list) -> None:
         """The lookup drafts of the rows `at` (by index into `rows`), from their own contexts, in
-        one call (a single row alone), each kept in `found` where it matches more than the row's
-        prediction. Should the call raise, each row is looked up alone, so that a fault is
+        one call (a single row alone), each kept in `drafts` where it matches more than the
+        row's prediction. Should the call raise, each row is looked up alone, so that a fault is
         blamed on its row."""
         indices = [rows[i].index for i in at]
         full = [budgets[i] for i in at]
-        capped = [self.options.uncopied_budget(b) for b in full]
-        drafts = None
         if len(at) > 1:  # (one row is looked up alone: a call over a batch costs it more than it saves)
             try:
-                drafts = context_drafts(
+                found = context_drafts(
                     step.token_ids,
                     indices,
                     step.context_lengths(indices),
-                    capped,
+                    [self.options.uncopied_budget(b) for b in full],
                     full_budgets=full,
                     max_match=self.options.lookup_max_match,
                 )
@@ -190,40 +192,49 @@ class RowLookup:
                     exc_info=not self.batch_failed,
                 )
                 self.batch_failed = True
-        for n, i in enumerate(at):
+            else:
+                at = np.array(at)
+                better = (found.lengths > 0) & ((drafts.lengths[at] == 0) | (found.match > drafts.match[at]))
+                drafts.put_rows(
+                    at[better],
+                    tokens=found.tokens[better],
+                    probs=found.probs[better],
+                    lengths=found.lengths[better],
+                    match=found.match[better],
+                    source=DraftSource.LOOKUP,
+                )
+                return
+        for i, budget in zip(at, full):
             try:
-                looked_up = (DraftSource.LOOKUP, drafts[n]) if drafts is not None else self._row(step, rows[i], full[n])
-                found[i] = self._better(found[i][1], found[i][0], looked_up)
+                self._keep_better(drafts, i, self._row(step, rows[i], budget))
             except Exception as err:
                 failed.append((i, rows[i], err))
 
     @staticmethod
-    def _better(draft: LookupDraft, source: DraftSource, looked_up: Found) -> Found:
-        """A row's lookup draft where it matches more than its prediction's `draft` (or there is none)."""
-        if len(looked_up[1]) and (not len(draft) or looked_up[1].match > draft.match):
-            return looked_up
-        return source, draft
+    def _keep_better(drafts: StepDrafts, i: int, looked_up: Found) -> None:
+        """Row i's lookup draft in `drafts` where it matches more than its prediction's (or
+        there is none)."""
+        if len(looked_up[1]) and (not drafts.lengths[i] or looked_up[1].match > drafts.match[i]):
+            drafts.put(i, looked_up)
 
     @staticmethod
-    def offers(step, rows, budgets: list[int], found: list[Found], probed) -> list[RowOffer]:
-        """Each row's offer to the planner: the draft lookup found for it, and whether it may
+    def offers(step, rows, budgets: list[int], found: StepDrafts, probed) -> StepOffers:
+        """The rows' offers to the planner: the draft lookup found for each, and whether it may
         self-draft (`probed`: the requests whose prompts are measured already)."""
-        contexts = step.context_lengths([row.index for row in rows])
-        return [
-            RowOffer(
-                req_id=row.req_id,
-                lookup_tokens=len(draft),
-                lookup_source=source,
-                can_self_draft=budget > 0,
-                sampled=row.sampled,
-                lookup_probs=draft.probs,
-                lookup_match=draft.match,
-                remaining=row.tokens_left,
-                has_mask=row.req_id in probed,
-                context=context,
-            )
-            for row, budget, (source, draft), context in zip(rows, budgets, found, contexts)
-        ]
+        req_ids = [row.req_id for row in rows]
+        return StepOffers(
+            req_ids=req_ids,
+            lookup_tokens=found.lengths,
+            sources=found.sources,
+            probs=found.probs,
+            has_probs=found.has_probs,
+            match=found.match,
+            can_self_draft=np.array(budgets, dtype=np.int64) > 0,
+            sampled=np.array([row.sampled for row in rows], dtype=bool),
+            remaining=np.array([math.inf if row.tokens_left is None else row.tokens_left for row in rows], dtype=float),
+            has_mask=np.array([r in probed for r in req_ids], dtype=bool) if probed else np.zeros(len(rows), bool),
+            context=np.array(step.context_lengths([row.index for row in rows]), dtype=np.int64),
+        )
 
     def _row(self, step, row, budget: int, history: OutputHistory | None = None) -> Found:
         """The row's lookup draft, alone: from its own context and its tenant's `history`."""

@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""A step's drafts that cost no forward, one per row, as arrays over the batch's rows: what
+`RowLookup.find` fills (the batch's own-context lookups at once, the other rows one by one),
+what the planner's offers are made of (`control.offers.StepOffers`), and what the planned
+tokens are taken from. A row without a draft has length 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_selfspec.control.acceptance import SOURCE_INDEX, SOURCES, DraftSource
+from vllm_selfspec.sources.lookup import NO_DRAFT, LookupDraft
+
+Found = tuple[DraftSource, LookupDraft]
+
+
+@dataclass
+class StepDrafts:
+    tokens: np.ndarray  # int64, rows x the largest budget (at least 1)
+    probs: np.ndarray  # float64, alike: each token's share of the occurrences (unread past a draft)
+    lengths: np.ndarray  # int64
+    match: np.ndarray  # int64: how many of the context's last tokens the draft matched
+    sources: np.ndarray  # int64: each row's source, by its index in `acceptance.SOURCES`
+    has_probs: np.ndarray  # bool (a prediction's tokens have none)
+
+    @staticmethod
+    def empty(rows: int, width: int) -> StepDrafts:
+        width = max(width, 1)
+        return StepDrafts(
+            tokens=np.zeros((rows, width), dtype=np.int64),
+            probs=np.ones((rows, width)),
+            lengths=np.zeros(rows, dtype=np.int64),
+            match=np.zeros(rows, dtype=np.int64),
+            sources=np.full(rows, SOURCE_INDEX[DraftSource.LOOKUP], dtype=np.int64),
+            has_probs=np.zeros(rows, dtype=bool),
+        )
+
+    def put(self, row: int, found: Found) -> None:
+        """The row's draft from `found`, in place of what it held."""
+        source, draft = found
+        n = len(draft)
+        self.tokens[row, :n], self.lengths[row], self.match[row] = draft.tokens, n, draft.match
+        self.sources[row], self.has_probs[row] = SOURCE_INDEX[source], bool(draft.probs)
+        self.probs[row, :n] = draft.probs if draft.probs else 1.0
+
+    def put_rows(self, rows: np.ndarray, *, tokens, probs, lengths, match, source: DraftSource) -> None:
+        """Drafts with probabilities of several rows at once (`tokens` and `probs`: a row each,
+        at most as wide as these)."""
+        width = tokens.shape[1]
+        self.tokens[rows, :width], self.probs[rows, :width] = tokens, probs
+        self.lengths[rows], self.match[rows] = lengths, match
+        self.sources[rows], self.has_probs[rows] = SOURCE_INDEX[source], True
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        return (self[row] for row in range(len(self)))
+
+    def __getitem__(self, row: int) -> Found:
+        """The row's draft as one (NO_DRAFT without one)."""
+        n = int(self.lengths[row])
+        if not n:
+            return SOURCES[self.sources[row]], NO_DRAFT
+        probs = tuple(self.probs[row, :n].tolist()) if self.has_probs[row] else ()
+        return SOURCES[self.sources[row]], LookupDraft(self.tokens[row, :n].copy(), probs, int(self.match[row]))
+
+    def taken(self, row: int, length: int) -> list[int]:
+        """The row's first `length` draft tokens (at most its draft: rank 0's plan, which every
+        rank follows, may plan a draft this rank did not find)."""
+        return self.tokens[row, : min(length, int(self.lengths[row]))].tolist()
