@@ -1289,8 +1289,7 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
         lessons.note_step()
         step_offers = StepOffers.of(offers)
         prepared = SimpleNamespace(offers=step_offers, gains=controller.acceptance.step_gains(step_offers))
-        for i, n in enumerate(plan.lookup_lengths):
-            lessons.lookup_drafted(prepared, i, DraftSource.LOOKUP, n)
+        lessons.lookup_drafts_taken(prepared, [0, 1], plan.lookup_lengths)
         lessons.step_ended(drafted=made)
         lessons.call_ended()
         lessons.note_step()

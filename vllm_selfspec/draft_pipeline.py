@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_selfspec.control import DraftController, DraftPlan, StepGains, StepOffers
-from vllm_selfspec.control.acceptance import SOURCES
 from vllm_selfspec.control.acceptance import warm_up as warm_up_acceptance
 from vllm_selfspec.control.first_tokens import FirstTokenPolicy, FirstTokens
 from vllm_selfspec.control.learning import StepLessons
@@ -151,12 +150,12 @@ class DraftPipeline:
 
     def take_lookup_drafts(self, prepared: PreparedStep, plan: DraftPlan, drafts: list[list[int]]) -> None:
         """The planned part of each row's lookup draft, into `drafts` (by batch row)."""
-        rows, found = prepared.step.rows, prepared.found
-        for i in [i for i, length in enumerate(plan.lookup_lengths) if length]:
-            source, length = SOURCES[found.sources[i]], plan.lookup_lengths[i]
-            drafts[rows[i].index] = found.taken(i, length)
-            # (what is learned is guarded on its own)
-            self.fail_safe.attempt(lambda: self.lessons.lookup_drafted(prepared, i, source, length))  # noqa: B023
+        rows, found, lengths = prepared.step.rows, prepared.found, plan.lookup_lengths
+        taken = [i for i, length in enumerate(lengths) if length]
+        for i in taken:
+            drafts[rows[i].index] = found.taken(i, lengths[i])
+        # (what is learned is guarded on its own)
+        self.fail_safe.attempt(lambda: self.lessons.lookup_drafts_taken(prepared, taken, [lengths[i] for i in taken]))
 
     def forget(self, req_id: str, request=None) -> None:
         """The request ended: drop what is tracked for it, and keep its output for its tenant's

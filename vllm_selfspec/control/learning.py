@@ -12,8 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from vllm_selfspec.control import Calibration, DraftController, DraftSource
-from vllm_selfspec.control.acceptance import NO_CALIBRATION, VerifiedDraft
+from vllm_selfspec.control.acceptance import NO_CALIBRATION, SOURCE_INDEX, SOURCES, VerifiedDraft
 from vllm_selfspec.operations.counters import ProposerCounters, prompt_key
 
 
@@ -100,21 +102,30 @@ class StepLessons:
             self.counters.lookup_estimated += made.estimated
         return None if cut_short else accepted
 
-    def lookup_drafted(self, prepared, row: int, source: DraftSource, length: int) -> None:
-        """What to learn from a row's lookup draft once it is verified: its tokens' bins, and
-        how many of them the planner expected accepted (`prepared.gains`, as it planned)."""
+    def lookup_drafts_taken(self, prepared, rows: list[int], lengths: list[int]) -> None:
+        """What to learn from a step's lookup drafts once they are verified (its rows `rows`,
+        `lengths` tokens each): their tokens' bins, and how many of them the planner expected
+        accepted (`prepared.gains`, as it planned)."""
+        if not rows:
+            return
         gains, offers = prepared.gains, prepared.offers
-        planned, estimated = gains.expected(row, length)
-        # (rank 0's plan, which every rank follows, may draft a row this rank found no draft for)
-        calibration = gains.calibration(row, min(length, int(offers.lookup_tokens[row])))
-        self.drafted[offers.req_ids[row]] = DraftMade(source, length, calibration, planned, estimated)
-        self.counters.lookup_tokens += length
-        if source == DraftSource.HISTORY:
-            self.counters.history_tokens += length
-        elif source == DraftSource.PREDICTION:
-            self.counters.prediction_tokens += length
-        else:
-            self.counters.context_tokens += length
+        at = np.array(rows)
+        # (rank 0's plan, which every rank follows, may draft a row past the draft this rank found)
+        last = np.minimum(lengths, gains.planned.shape[1]) - 1
+        # (summed in order, as floats, as `StepGains.expected` sums them: a cumulative sum adds
+        # left to right)
+        planned = np.cumsum(gains.planned[at], axis=1)[np.arange(len(at)), last].tolist()
+        estimated = np.cumsum(gains.estimated[at], axis=1)[np.arange(len(at)), last].tolist()
+        sources = offers.sources[at].tolist()
+        for row, length, source, expected, unscaled in zip(rows, lengths, sources, planned, estimated):
+            kept = min(length, int(offers.lookup_tokens[row]))
+            calibration = Calibration(gains.bins[row, :kept], gains.priors[row, :kept])
+            self.drafted[offers.req_ids[row]] = DraftMade(SOURCES[source], length, calibration, expected, unscaled)
+        counters, tokens = self.counters, np.bincount(sources, weights=lengths, minlength=len(SOURCES)).tolist()
+        counters.lookup_tokens += sum(lengths)
+        counters.history_tokens += int(tokens[SOURCE_INDEX[DraftSource.HISTORY]])
+        counters.prediction_tokens += int(tokens[SOURCE_INDEX[DraftSource.PREDICTION]])
+        counters.context_tokens += int(tokens[SOURCE_INDEX[DraftSource.LOOKUP]])
 
     def self_drafted(self, req_id: str, length: int) -> None:
         self.drafted[req_id] = DraftMade(DraftSource.SELF, length, NO_CALIBRATION)

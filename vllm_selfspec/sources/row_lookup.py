@@ -130,18 +130,15 @@ class RowLookup:
         is quarantined now, and its budget set to 0. Rows whose tenant has no history look up
         their own context in one compiled call (`lookup.context_drafts`)."""
         fault_point("lookup")
-        drafts = StepDrafts.empty(len(rows), max(budgets, default=0))
-        failed, tried, own_context = [], 0, []
+        found, failed, tried, own_context = [], [], 0, []  # found: (row, its draft) where one was
         lookup_seconds, self.rows_looked_up = 0.0, 0
         for i, (row, budget) in enumerate(zip(rows, budgets)):
             if not budget:
                 continue
-            tried += 1
+            tried, best = tried + 1, None
             try:
-                predicted = self.predictions.draft(step, row, budget)
-                if len(predicted[1]):
-                    drafts.put(i, predicted)
-                if self.options.lookup and look_up and not self.predictions.stands_alone(row, predicted[1]):
+                best = self.predictions.draft(step, row, budget)
+                if self.options.lookup and look_up and not self.predictions.stands_alone(row, best[1]):
                     self.rows_looked_up += 1
                     pool = self.history.pool(self.tenant(row.req_id)) if self.history is not None else None
                     if pool is None:
@@ -149,10 +146,13 @@ class RowLookup:
                         own_context.append(i)
                     else:
                         looked_up_at = time.perf_counter()
-                        self._keep_better(drafts, i, self._row(step, row, budget, pool))
+                        best = self._better(best, self._row(step, row, budget, pool))
                         lookup_seconds += time.perf_counter() - looked_up_at
             except Exception as err:
                 failed.append((i, row, err))
+            if best is not None:  # (a row whose lookup raised keeps its prediction's draft)
+                found.append((i, best))
+        drafts = StepDrafts.of(len(rows), max(budgets, default=0), found)
         if own_context:
             looked_up_at = time.perf_counter()
             self._look_up_own_contexts(step, rows, budgets, own_context, drafts, failed)
@@ -206,16 +206,19 @@ class RowLookup:
                 return
         for i, budget in zip(at, full):
             try:
-                self._keep_better(drafts, i, self._row(step, rows[i], budget))
+                looked_up = self._row(step, rows[i], budget)
+                if self._better(drafts[i], looked_up) is looked_up:
+                    drafts.put(i, looked_up)
             except Exception as err:
                 failed.append((i, rows[i], err))
 
     @staticmethod
-    def _keep_better(drafts: StepDrafts, i: int, looked_up: Found) -> None:
-        """Row i's lookup draft in `drafts` where it matches more than its prediction's (or
-        there is none)."""
-        if len(looked_up[1]) and (not drafts.lengths[i] or looked_up[1].match > drafts.match[i]):
-            drafts.put(i, looked_up)
+    def _better(found: Found, looked_up: Found) -> Found:
+        """A row's lookup draft where it matches more than the draft `found` (its prediction's,
+        or none)."""
+        if len(looked_up[1]) and (not len(found[1]) or looked_up[1].match > found[1].match):
+            return looked_up
+        return found
 
     @staticmethod
     def offers(step, rows, budgets: list[int], found: StepDrafts, probed) -> StepOffers:
