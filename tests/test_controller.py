@@ -299,8 +299,8 @@ def test_an_unseen_bin_is_priced_by_its_agreement_not_by_weak_drafts_elsewhere()
     assert gains == pytest.approx([0.75, 0.75 * 0.999])
     # What the proposer counts against verification's outcome: the gains of the tokens it drafts.
     expected = controller.acceptance.step_gains(StepOffers.of([offer])).expected
-    assert expected(0, 1)[0] == pytest.approx(0.75)
-    assert expected(0, 2)[0] == pytest.approx(sum(gains))
+    assert expected([0], [1])[0] == pytest.approx([0.75])
+    assert expected([0], [2])[0] == pytest.approx([sum(gains)])
 
 
 def test_a_prediction_just_rejoined_is_priced_by_what_such_drafts_did_not_by_long_runs():
@@ -745,7 +745,7 @@ def test_a_draft_that_beats_the_margin_only_by_estimates_verification_does_not_b
         controller = trained(t0=t0, t1=t1, self_step=0.5, lookup_rate=estimate, self_rate=0.1)
         observe_shares(controller.acceptance.estimate_calibration[DraftSource.LOOKUP], accepted_share)
         offers = lookup_rows(*[1] * 45)
-        planned, estimated = controller.acceptance.step_gains(StepOffers.of(offers[:1])).expected(0, 1)
+        ((planned,), (estimated,)) = controller.acceptance.step_gains(StepOffers.of(offers[:1])).expected([0], [1])
         assert estimated == pytest.approx(estimate)
         assert planned == pytest.approx(estimate * accepted_share, rel=0.02)
         assert (sum(controller.plan(offers, self_budget=0).lookup_lengths) > 0) == drafts

@@ -115,40 +115,6 @@ def batch_step(token_ids, lengths, prompts, predictions: dict, *, in_place: bool
     return step
 
 
-def test_a_steps_drafts_written_at_once_are_each_rows_draft():
-    """`StepDrafts.of` (a step's drafts written with a handful of array operations) holds what
-    each row's draft, written alone (`put`), holds: tokens, probabilities, match and source,
-    over random rows with and without drafts, with and without probabilities."""
-    import numpy as np
-
-    from vllm_selfspec.control import DraftSource
-    from vllm_selfspec.sources.lookup import LookupDraft
-    from vllm_selfspec.sources.step_drafts import StepDrafts
-
-    rng = np.random.default_rng(7)
-    compared = 0
-    for _ in range(200):
-        rows, width = int(rng.integers(1, 12)), int(rng.integers(1, 9))
-        found = []
-        for i in sorted(rng.choice(rows, int(rng.integers(0, rows + 1)), replace=False).tolist()):
-            n = int(rng.integers(0, width + 1))
-            probs = tuple(rng.uniform(0.1, 1.0, n).tolist()) if rng.random() < 0.6 else ()
-            source = (
-                DraftSource.PREDICTION if not probs else (DraftSource.LOOKUP, DraftSource.HISTORY)[rng.integers(0, 2)]
-            )
-            found.append((i, (source, LookupDraft(rng.integers(0, 50, n), probs, int(rng.integers(0, 30))))))
-        at_once, one_by_one = StepDrafts.of(rows, width, found), StepDrafts.empty(rows, width)
-        for i, row_found in found:
-            if len(row_found[1]):
-                one_by_one.put(i, row_found)
-        for (source, draft), (want_source, want) in zip(at_once, one_by_one, strict=True):
-            assert (draft.tokens.tolist(), draft.probs, draft.match) == (want.tokens.tolist(), want.probs, want.match)
-            assert source == want_source or not len(draft)
-            compared += len(draft) > 0
-        assert at_once.lengths.tolist() == one_by_one.lengths.tolist()
-    assert compared > 300
-
-
 def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
     """`RowLookup.find` looks up the rows without a history pool in one call over the batch's
     token ids (a single row alone); a step whose call raises looks each row up alone, and says

@@ -131,10 +131,15 @@ class StepGains:
     bins: np.ndarray
     priors: np.ndarray
 
-    def expected(self, row: int, length: int) -> tuple[float, float]:
-        """The tokens of the row's first `length` the planner expected accepted, and unscaled
-        (summed in order, as floats: what is learned from them must not depend on how)."""
-        return sum(self.planned[row, :length].tolist()), sum(self.estimated[row, :length].tolist())
+    def expected(self, rows: list[int], lengths: list[int]) -> tuple[list[float], list[float]]:
+        """The tokens of each row's first `length` the planner expected accepted, and unscaled
+        (summed in order, as floats, in one kernel call: what is learned from them must not
+        depend on how)."""
+        planned, estimated = np.empty(len(rows)), np.empty(len(rows))
+        _sums_in_order(
+            self.planned, self.estimated, np.array(rows, dtype=np.int64), np.array(lengths), planned, estimated
+        )
+        return planned.tolist(), estimated.tolist()
 
     def calibration(self, row: int, length: int) -> Calibration:
         """The bins and priors of the row's first `length` lookup tokens."""
@@ -201,6 +206,18 @@ AGREEMENT = np.array(AGREEMENT_EDGES)
 
 
 @compiled
+def _sums_in_order(planned, estimated, rows, lengths, planned_sums, estimated_sums):
+    """Each row's first `lengths` tokens of `planned` and of `estimated` (rows x depth; past the
+    depth, the whole row), summed left to right as Python's `sum` adds them."""
+    for r in range(len(rows)):
+        row, planned_sum, estimated_sum = rows[r], 0.0, 0.0
+        for j in range(min(lengths[r], planned.shape[1])):
+            planned_sum += planned[row, j]
+            estimated_sum += estimated[row, j]
+        planned_sums[r], estimated_sums[r] = planned_sum, estimated_sum
+
+
+@compiled
 def _lookup_gains(rows, request, offered, sources, source_rates, *out):
     """`AcceptanceModel.step_gains`' arithmetic, row by row and token by token, into `out`
     (planned, estimated, bins, priors; rows x depth): each token's agreement share (its
@@ -245,6 +262,7 @@ def warm_up() -> None:
     out = (np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2)))
     rates = np.ones((len(SOURCES), 2))
     _lookup_gains(one, np.ones(1), (*offered, model._bin_rates, AGREEMENT, MATCH), one, rates, *out)
+    StepGains(*out).expected([0], [1])
     model.observe_draft("warm-up", DraftSource.LOOKUP, 1, 1, Calibration(np.zeros(1, np.int64), np.ones(1)))
 
 

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
-
 from vllm_selfspec.control import Calibration, DraftController, DraftSource
 from vllm_selfspec.control.acceptance import NO_CALIBRATION, SOURCE_INDEX, SOURCES, VerifiedDraft
 from vllm_selfspec.operations.counters import ProposerCounters, prompt_key
@@ -108,24 +106,21 @@ class StepLessons:
         accepted (`prepared.gains`, as it planned)."""
         if not rows:
             return
-        gains, offers = prepared.gains, prepared.offers
-        at = np.array(rows)
+        gains, offers, tokens = prepared.gains, prepared.offers, [0] * len(SOURCES)  # (tokens: by source)
+        planned, estimated = gains.expected(rows, lengths)
         # (rank 0's plan, which every rank follows, may draft a row past the draft this rank found)
-        last = np.minimum(lengths, gains.planned.shape[1]) - 1
-        # (summed in order, as floats, as `StepGains.expected` sums them: a cumulative sum adds
-        # left to right)
-        planned = np.cumsum(gains.planned[at], axis=1)[np.arange(len(at)), last].tolist()
-        estimated = np.cumsum(gains.estimated[at], axis=1)[np.arange(len(at)), last].tolist()
-        sources = offers.sources[at].tolist()
-        for row, length, source, expected, unscaled in zip(rows, lengths, sources, planned, estimated):
-            kept = min(length, int(offers.lookup_tokens[row]))
-            calibration = Calibration(gains.bins[row, :kept], gains.priors[row, :kept])
-            self.drafted[offers.req_ids[row]] = DraftMade(SOURCES[source], length, calibration, expected, unscaled)
-        counters, tokens = self.counters, np.bincount(sources, weights=lengths, minlength=len(SOURCES)).tolist()
+        offered, sources = offers.lookup_tokens.tolist(), offers.sources.tolist()
+        for row, length, expected, unscaled in zip(rows, lengths, planned, estimated):
+            kept = min(length, offered[row])
+            calibration = Calibration(gains.bins[row, :kept], gains.priors[row, :kept])  # (the step's: not changed)
+            made = DraftMade(SOURCES[sources[row]], length, calibration, expected, unscaled)
+            self.drafted[offers.req_ids[row]] = made
+            tokens[sources[row]] += length
+        counters = self.counters
         counters.lookup_tokens += sum(lengths)
-        counters.history_tokens += int(tokens[SOURCE_INDEX[DraftSource.HISTORY]])
-        counters.prediction_tokens += int(tokens[SOURCE_INDEX[DraftSource.PREDICTION]])
-        counters.context_tokens += int(tokens[SOURCE_INDEX[DraftSource.LOOKUP]])
+        counters.history_tokens += tokens[SOURCE_INDEX[DraftSource.HISTORY]]
+        counters.prediction_tokens += tokens[SOURCE_INDEX[DraftSource.PREDICTION]]
+        counters.context_tokens += tokens[SOURCE_INDEX[DraftSource.LOOKUP]]
 
     def self_drafted(self, req_id: str, length: int) -> None:
         self.drafted[req_id] = DraftMade(DraftSource.SELF, length, NO_CALIBRATION)

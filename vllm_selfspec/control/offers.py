@@ -43,7 +43,7 @@ class RowOffer:
         return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup_tokens, self.sampled)
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepOffers:
     """`RowOffer`'s fields over a step's rows, an array each (a row without a lookup draft
     offers 0 tokens; `probs` is padded with 1.0 past a row's draft, and a row whose draft has

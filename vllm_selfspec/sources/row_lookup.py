@@ -130,7 +130,8 @@ class RowLookup:
         is quarantined now, and its budget set to 0. Rows whose tenant has no history look up
         their own context in one compiled call (`lookup.context_drafts`)."""
         fault_point("lookup")
-        found, failed, tried, own_context = [], [], 0, []  # found: (row, its draft) where one was
+        drafts = StepDrafts.empty(len(rows), max(budgets, default=0))
+        failed, tried, own_context = [], 0, []
         lookup_seconds, self.rows_looked_up = 0.0, 0
         for i, (row, budget) in enumerate(zip(rows, budgets)):
             if not budget:
@@ -150,9 +151,8 @@ class RowLookup:
                         lookup_seconds += time.perf_counter() - looked_up_at
             except Exception as err:
                 failed.append((i, row, err))
-            if best is not None:  # (a row whose lookup raised keeps its prediction's draft)
-                found.append((i, best))
-        drafts = StepDrafts.of(len(rows), max(budgets, default=0), found)
+            if best is not None and len(best[1]):  # (a row whose lookup raised keeps its prediction's draft)
+                drafts.put(i, best)
         if own_context:
             looked_up_at = time.perf_counter()
             self._look_up_own_contexts(step, rows, budgets, own_context, drafts, failed)

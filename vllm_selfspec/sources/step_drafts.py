@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A step's drafts that cost no forward, one per row, as arrays over the batch's rows: what
-`RowLookup.find` fills (the batch's own-context lookups at once, the other rows one by one),
+`RowLookup.find` fills (the batch's own-context lookups at once, the other rows one by one:
+a row's few writes cost less than gathering its draft with the others' into arrays),
 what the planner's offers are made of (`control.offers.StepOffers`), and what the planned
 tokens are taken from. A row without a draft has length 0."""
 
@@ -37,31 +38,6 @@ class StepDrafts:
             sources=np.full(rows, SOURCE_INDEX[DraftSource.LOOKUP], dtype=np.int64),
             has_probs=np.zeros(rows, dtype=bool),
         )
-
-    @staticmethod
-    def of(rows: int, width: int, found: list[tuple[int, Found]]) -> StepDrafts:
-        """The drafts of `rows` rows, `found` a draft each for some of them (by row), written
-        at once: a handful of array operations, not a few per row."""
-        drafts = StepDrafts.empty(rows, width)
-        at, lengths, match, sources, tokens, shares, with_probs = [], [], [], [], [], [], []
-        for i, (source, draft) in found:
-            n = len(draft.tokens)
-            if n:
-                at.append(i), lengths.append(n), match.append(draft.match), tokens.append(draft.tokens)
-                sources.append(SOURCE_INDEX[source]), with_probs.append(bool(draft.probs))
-                shares.extend(draft.probs)
-        if not at:
-            return drafts
-        drafts.lengths[at], drafts.match[at] = lengths, match
-        drafts.sources[at], drafts.has_probs[at] = sources, with_probs
-        # Each token's place: its row, and its place in the row's draft.
-        token_rows = np.repeat(at, lengths)
-        token_places = np.arange(len(token_rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        drafts.tokens[token_rows, token_places] = np.concatenate(tokens)
-        if shares:
-            with_probs = np.repeat(with_probs, lengths)
-            drafts.probs[token_rows[with_probs], token_places[with_probs]] = shares
-        return drafts
 
     def put(self, row: int, found: Found) -> None:
         """The row's draft from `found`, in place of what it held."""
