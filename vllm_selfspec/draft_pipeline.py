@@ -117,7 +117,7 @@ class DraftPipeline:
         if self.lookup.rows_looked_up:
             self.controller.observe_lookup(self.lookup.rows_looked_up, self.lookup.seconds)
         clock.lap("look_up")
-        offers = self.lookup.offers(step, rows, budgets, found, probed=probed)
+        offers = found.offers(step, rows, budgets, probed=probed)
         # (once a step: the plan prices the drafts by them, and learning weighs what was accepted)
         gains = self.controller.acceptance.step_gains(offers)
         self_budget = self.options.uncopied_budget(max(budgets, default=0))

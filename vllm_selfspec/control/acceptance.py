@@ -133,17 +133,17 @@ class StepGains:
 
     def expected(self, rows: list[int], lengths: list[int]) -> tuple[list[float], list[float]]:
         """The tokens of each row's first `length` the planner expected accepted, and unscaled
-        (summed in order, as floats, in one kernel call: what is learned from them must not
-        depend on how)."""
+        (summed left to right, in one kernel call: what is learned from them must not depend on
+        how)."""
         planned, estimated = np.empty(len(rows)), np.empty(len(rows))
-        _sums_in_order(
-            self.planned, self.estimated, np.array(rows, dtype=np.int64), np.array(lengths), planned, estimated
-        )
+        at, lengths = np.array(rows, dtype=np.int64), np.array(lengths, dtype=np.int64)
+        _sums_in_order(self.planned, self.estimated, at, lengths, planned, estimated)
         return planned.tolist(), estimated.tolist()
 
     def calibration(self, row: int, length: int) -> Calibration:
-        """The bins and priors of the row's first `length` lookup tokens."""
-        return Calibration(self.bins[row, :length].copy(), self.priors[row, :length].copy())
+        """The bins and priors of the row's first `length` lookup tokens (views of the step's
+        arrays, which nothing changes once made)."""
+        return Calibration(self.bins[row, :length], self.priors[row, :length])
 
 
 class Calibration(NamedTuple):
@@ -208,7 +208,8 @@ AGREEMENT = np.array(AGREEMENT_EDGES)
 @compiled
 def _sums_in_order(planned, estimated, rows, lengths, planned_sums, estimated_sums):
     """Each row's first `lengths` tokens of `planned` and of `estimated` (rows x depth; past the
-    depth, the whole row), summed left to right as Python's `sum` adds them."""
+    depth, the whole row), summed left to right: the same bits whichever Python runs it (the
+    builtin `sum` compensates its rounding from Python 3.12 on)."""
     for r in range(len(rows)):
         row, planned_sum, estimated_sum = rows[r], 0.0, 0.0
         for j in range(min(lengths[r], planned.shape[1])):
@@ -224,8 +225,9 @@ def _lookup_gains(rows, request, offered, sources, source_rates, *out):
     probability over the previous one's) picks its bin, whose learned rate, or else that share,
     times the request's factor, multiplies the row's gain so far (as `lookup_gains` does).
     `rows`: the rows that offer a draft, `request` each one's factor; `offered`: the step's
-    `StepOffers` arrays (lengths, sampled, match, has_probs, probs); `sources` each row's source,
-    whose rate and calibration factor `source_rates` holds (sources x 2)."""
+    `StepOffers` arrays (lengths, sampled, match, has_probs, probs), then every bin's learned
+    rate and the agreement and match-length bucket edges; `sources`: each row's source, whose
+    rate and calibration factor `source_rates` holds (sources x 2)."""
     lengths, sampled, match, has_probs, probs, bin_rates, agreement, match_edges = offered
     planned, estimated, bins, priors = out
     for r in range(len(rows)):

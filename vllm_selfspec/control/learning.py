@@ -109,13 +109,12 @@ class StepLessons:
         gains, offers, tokens = prepared.gains, prepared.offers, [0] * len(SOURCES)  # (tokens: by source)
         planned, estimated = gains.expected(rows, lengths)
         # (rank 0's plan, which every rank follows, may draft a row past the draft this rank found)
-        offered, sources = offers.lookup_tokens.tolist(), offers.sources.tolist()
+        offered, sources, made = offers.lookup_tokens.tolist(), offers.sources.tolist(), {}
         for row, length, expected, unscaled in zip(rows, lengths, planned, estimated):
-            kept = min(length, offered[row])
-            calibration = Calibration(gains.bins[row, :kept], gains.priors[row, :kept])  # (the step's: not changed)
-            made = DraftMade(SOURCES[sources[row]], length, calibration, expected, unscaled)
-            self.drafted[offers.req_ids[row]] = made
+            calibration = gains.calibration(row, min(length, offered[row]))
+            made[offers.req_ids[row]] = DraftMade(SOURCES[sources[row]], length, calibration, expected, unscaled)
             tokens[sources[row]] += length
+        self.drafted.update(made)  # (all of the step's lessons or, should making them fail, none)
         counters = self.counters
         counters.lookup_tokens += sum(lengths)
         counters.history_tokens += tokens[SOURCE_INDEX[DraftSource.HISTORY]]

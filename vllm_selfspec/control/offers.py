@@ -43,11 +43,12 @@ class RowOffer:
         return token_bins(self.lookup_source, self.lookup_probs, self.lookup_match, self.lookup_tokens, self.sampled)
 
 
-@dataclass
+@dataclass(eq=False)
 class StepOffers:
     """`RowOffer`'s fields over a step's rows, an array each (a row without a lookup draft
-    offers 0 tokens; `probs` is padded with 1.0 past a row's draft, and a row whose draft has
-    no probabilities, a prediction's, has `has_probs` False)."""
+    offers 0 tokens; `probs` past a row's draft is not read, and a row whose draft has no
+    probabilities, a prediction's, has `has_probs` False). Read-only once made: its arrays are
+    the step's drafts' own (`sources.step_drafts.StepDrafts`)."""
 
     req_ids: list[str]
     lookup_tokens: np.ndarray  # int64

@@ -111,7 +111,7 @@ class RowProtection:
 
     def _allowance(self, i: int) -> float:
         """How much longer than plain's the step may be for row i."""
-        extra = self.t_plain * ((1 + self.credited[i]) / (1 - ROW_SLACK) - 1) + self.ahead[i]
+        extra = allowed_without_drafts(self.t_plain, self.credited[i], self.ahead[i])
         return extra + (self.own[i] + self.t_verify if self.drafted[i] else 0.0)
 
     def allowance(self, i: int) -> float:
@@ -249,7 +249,9 @@ class DraftPlanner:
         best, gains, protected = plain, step_gains.planned, None
         if offered or self_may_pay:
             if self.protect_rows and len(offers) > 1:
-                protected = self._row_due(offers, step_gains, plain.seconds, t_verify)
+                protected = row_due(
+                    self.ledger, self.acceptance.trusted_rows(offers, step_gains), offers, plain.seconds, t_verify
+                )
             if not (protected and every_lookup_token_binds(protected, offers, cost)):
                 # (else the greedy would give every lookup token back, and then not beat plain)
                 best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds, protected=protected)
@@ -277,13 +279,6 @@ class DraftPlanner:
         per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
         best.best_self_saving = per_token * sum(offers.remaining[self_rows].tolist())
         return best
-
-    def _row_due(self, offers: StepOffers, step_gains: StepGains, t_plain: float, t_verify: float) -> RowDue:
-        """What the per-row rule holds this step's rows to: each row's pace, and its trust."""
-        ahead = self.ledger.ahead(offers.req_ids)
-        # A row behind its pace is credited nothing: its estimates have fallen short.
-        credited = self.acceptance.trusted_rows(offers, step_gains) & (np.array(ahead) >= 0)
-        return RowDue(t_plain, t_verify, credited.tolist(), ahead)
 
     def _retry(self, offers: StepOffers, self_rows, choice: Choice, self_budget: int, cost, step, *, room) -> bool:
         """Turn `choice` into a one-step self-draft retry (one is due) if it could pay: with the
@@ -365,6 +360,14 @@ class DraftPlanner:
             choice.self_rows = set()
         choice.tokens, choice.seconds = tokens, seconds
         return choice
+
+
+def row_due(ledger: RowLedger, trusted: np.ndarray, offers: StepOffers, t_plain: float, t_verify: float) -> RowDue:
+    """What the per-row rule holds a step's rows to: each row's pace (`ledger`), and whether
+    its estimate is `trusted`."""
+    ahead = ledger.ahead(offers.req_ids)
+    # A row behind its pace is credited nothing: its estimates have fallen short.
+    return RowDue(t_plain, t_verify, (trusted & (np.array(ahead) >= 0)).tolist(), ahead)
 
 
 def compiled_lookup_choice(offers: StepOffers, gains, cost, start, max_seconds, protected: RowDue | None) -> Choice:
@@ -476,6 +479,13 @@ def keep_every_row_due(protection: RowProtection, choice: Choice, taken, *, tota
     return tokens, seconds
 
 
+def allowed_without_drafts(t_plain: float, credited, ahead):
+    """How much longer than plain's a step may be for a row (`RowProtection`) before its own
+    draft's seconds: its slack, what it is credited and what it is ahead (floats, or arrays of
+    them, alike to the last bit)."""
+    return t_plain * ((1 + credited) / (1 - ROW_SLACK) - 1) + ahead
+
+
 def beats_by_margin(tokens_per_second: float, rate: float) -> bool:
     """Whether draft tokens that add `tokens_per_second` beat a step's `rate` by DRAFT_MARGIN."""
     return tokens_per_second > (1 + DRAFT_MARGIN) * rate
@@ -501,9 +511,9 @@ def every_lookup_token_binds(due: RowDue, offers: StepOffers, cost) -> bool:
     if not offered.any():
         return True
     cheapest = np.asarray(cost)[offered].min()
-    # A row's allowance before any token is taken (`RowProtection`'s, credited and drafting
-    # nothing): its slack and what it is ahead.
-    allowed = due.t_plain * ((1 + 0.0) / (1 - ROW_SLACK) - 1) + np.asarray(due.ahead, dtype=float)
+    # A row's allowance before any token is taken (credited and drafting nothing): its slack
+    # and what it is ahead.
+    allowed = allowed_without_drafts(due.t_plain, 0.0, np.asarray(due.ahead, dtype=float))
     blocking = ~np.asarray(due.trusted, dtype=bool) & (allowed < cheapest + np.where(offered, 0.0, due.t_verify))
     return bool(blocking.sum() >= 2 or (blocking & ~offered).any())
 

@@ -17,13 +17,11 @@ blamed for what strikes all). A history that raises is dropped for its tenant.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import numpy as np
 
 from vllm_selfspec.control import DraftSource
-from vllm_selfspec.control.offers import StepOffers
 from vllm_selfspec.operations.fail_safe import FailSafe, RequestQuarantine, fault_point
 from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.sources.lookup import (
@@ -219,25 +217,6 @@ class RowLookup:
         if len(looked_up[1]) and (not len(found[1]) or looked_up[1].match > found[1].match):
             return looked_up
         return found
-
-    @staticmethod
-    def offers(step, rows, budgets: list[int], found: StepDrafts, probed) -> StepOffers:
-        """The rows' offers to the planner: the draft lookup found for each, and whether it may
-        self-draft (`probed`: the requests whose prompts are measured already)."""
-        req_ids = [row.req_id for row in rows]
-        return StepOffers(
-            req_ids=req_ids,
-            lookup_tokens=found.lengths,
-            sources=found.sources,
-            probs=found.probs,
-            has_probs=found.has_probs,
-            match=found.match,
-            can_self_draft=np.array(budgets, dtype=np.int64) > 0,
-            sampled=np.array([row.sampled for row in rows], dtype=bool),
-            remaining=np.array([math.inf if row.tokens_left is None else row.tokens_left for row in rows], dtype=float),
-            has_mask=np.array([r in probed for r in req_ids], dtype=bool) if probed else np.zeros(len(rows), bool),
-            context=np.array(step.context_lengths([row.index for row in rows]), dtype=np.int64),
-        )
 
     def _row(self, step, row, budget: int, history: OutputHistory | None = None) -> Found:
         """The row's lookup draft, alone: from its own context and its tenant's `history`."""

@@ -1,24 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A step's drafts that cost no forward, one per row, as arrays over the batch's rows: what
-`RowLookup.find` fills (the batch's own-context lookups at once, the other rows one by one:
-a row's few writes cost less than gathering its draft with the others' into arrays),
-what the planner's offers are made of (`control.offers.StepOffers`), and what the planned
-tokens are taken from. A row without a draft has length 0."""
+`RowLookup.find` fills (the batch's own-context lookups at once, the other rows one by one: a
+row's few writes cost less than gathering its draft with the others' into arrays), what the
+planner's offers are made of (`offers`), and what the planned tokens are taken from. A row
+without a draft has length 0."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from vllm_selfspec.control.acceptance import SOURCE_INDEX, SOURCES, DraftSource
+from vllm_selfspec.control.offers import StepOffers
 from vllm_selfspec.sources.lookup import NO_DRAFT, LookupDraft
 
 Found = tuple[DraftSource, LookupDraft]
 
 
-@dataclass
+@dataclass(eq=False)
 class StepDrafts:
     tokens: np.ndarray  # int64, rows x the largest budget (at least 1)
     probs: np.ndarray  # float64, alike: each token's share of the occurrences (unread past a draft)
@@ -68,6 +70,24 @@ class StepDrafts:
             return SOURCES[self.sources[row]], NO_DRAFT
         probs = tuple(self.probs[row, :n].tolist()) if self.has_probs[row] else ()
         return SOURCES[self.sources[row]], LookupDraft(self.tokens[row, :n].copy(), probs, int(self.match[row]))
+
+    def offers(self, step, rows, budgets: list[int], probed) -> StepOffers:
+        """The rows' offers to the planner: each one's draft, and whether it may self-draft
+        (`budgets`; `probed`: the requests whose prompts are measured already)."""
+        req_ids = [row.req_id for row in rows]
+        return StepOffers(
+            req_ids=req_ids,
+            lookup_tokens=self.lengths,
+            sources=self.sources,
+            probs=self.probs,
+            has_probs=self.has_probs,
+            match=self.match,
+            can_self_draft=np.array(budgets, dtype=np.int64) > 0,
+            sampled=np.array([row.sampled for row in rows], dtype=bool),
+            remaining=np.array([math.inf if row.tokens_left is None else row.tokens_left for row in rows], dtype=float),
+            has_mask=np.array([r in probed for r in req_ids], dtype=bool) if probed else np.zeros(len(rows), bool),
+            context=np.array(step.context_lengths([row.index for row in rows]), dtype=np.int64),
+        )
 
     def taken(self, row: int, length: int) -> list[int]:
         """The row's first `length` draft tokens (at most its draft: rank 0's plan, which every
