@@ -10,7 +10,15 @@ import pytest
 
 from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer, StepOffers
 from vllm_selfspec.control.acceptance import AcceptanceModel, token_bins
-from vllm_selfspec.sources.lookup import SEPARATOR, OutputHistory, context_drafts, lookup_draft, suffix_draft
+from vllm_selfspec.sources.lookup import (
+    NO_DRAFT,
+    SEPARATOR,
+    LookupDraft,
+    OutputHistory,
+    context_drafts,
+    lookup_draft,
+    suffix_draft,
+)
 
 from reference import numpy_suffix_draft
 
@@ -88,7 +96,10 @@ def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
         capped, match = np.minimum(full, rng.integers(0, 12, batch)).tolist(), int(rng.integers(1, 8))
         got = context_drafts(token_ids, rows, lengths, capped, full_budgets=full.tolist(), max_match=match)
         for r, (row, length, budget, whole) in enumerate(zip(rows, lengths, capped, full.tolist())):
-            draft = got.draft(r)
+            n = int(got.lengths[r])
+            draft = (
+                LookupDraft(got.tokens[r, :n], tuple(got.probs[r, :n].tolist()), int(got.match[r])) if n else NO_DRAFT
+            )
             want = suffix_draft(token_ids[row, :length], budget, max_match=match)
             if budget < whole and want.match >= match:
                 want, copies = suffix_draft(token_ids[row, :length], whole, max_match=match), copies + 1

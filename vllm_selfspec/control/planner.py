@@ -214,9 +214,11 @@ class DraftPlanner:
             # (a retry credits no row: its acceptance is what it measures)
             protected = self.protect_rows and len(offers) > 1 and not draining
             room = lambda: self.ledger.room(offers.req_ids, plain_seconds, choice.seconds)  # noqa: E731
-            explored = self.retries.due() and self._retry(
-                offers, self_rows, choice, self_budget, cost, step, room=room if protected else None
+            explored = self.retries.due() and make_retry(
+                self.costs, offers, self_rows, choice, self_budget, cost, step, room=room if protected else None
             )
+            if explored:
+                self.retries.retried()
         elif choice.self_length > 0:
             self.retries.in_use()
         if not draining or len(offers) == 1:
@@ -279,22 +281,6 @@ class DraftPlanner:
         per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
         best.best_self_saving = per_token * sum(offers.remaining[self_rows].tolist())
         return best
-
-    def _retry(self, offers: StepOffers, self_rows, choice: Choice, self_budget: int, cost, step, *, room) -> bool:
-        """Turn `choice` into a one-step self-draft retry (one is due) if it could pay: with the
-        rows that have a mask, or else one new row (one probe); if it costs no more than every
-        row allows (`room()`: what the per-row rule leaves; None: no rule)."""
-        retry_rows = {i for i in self_rows if offers.has_mask[i]} or {self_rows[0]}
-        seconds = retry_step_seconds(self.costs, offers, cost, step, retry_rows)
-        if room is not None and seconds > room():
-            return False
-        if not retry_pays(self.costs, offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
-            return False
-        self.retries.retried()
-        choice.self_length, choice.self_rows = 1, retry_rows
-        choice.seconds += seconds
-        choice.lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(choice.lookup_lengths)]
-        return True
 
     def _greedy(
         self,
@@ -419,6 +405,24 @@ def unpaid_probes(costs: StepCostModel, offers: StepOffers, self_rows, without_s
     if probe is None or not new or not with_self.self_length or saving <= 0:
         return set()  # (with no saving, self-drafting is not chosen anyway)
     return {i for i in new if saving * offers.remaining[i].item() < probe}
+
+
+def make_retry(
+    costs: StepCostModel, offers: StepOffers, self_rows, choice: Choice, self_budget: int, cost, step, *, room
+):
+    """Turn `choice` into a one-step self-draft retry (one is due) if it could pay; whether it
+    did: with the rows that have a mask, or else one new row (one probe); if it costs no more
+    than every row allows (`room()`: what the per-row rule leaves; None: no rule)."""
+    retry_rows = {i for i in self_rows if offers.has_mask[i]} or {self_rows[0]}
+    seconds = retry_step_seconds(costs, offers, cost, step, retry_rows)
+    if room is not None and seconds > room():
+        return False
+    if not retry_pays(costs, offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
+        return False
+    choice.self_length, choice.self_rows = 1, retry_rows
+    choice.seconds += seconds
+    choice.lookup_lengths = [0 if i in self_rows else n for i, n in enumerate(choice.lookup_lengths)]
+    return True
 
 
 def retry_step_seconds(costs: StepCostModel, offers: StepOffers, cost, step, rows) -> float:

@@ -337,10 +337,6 @@ class ContextDrafts(NamedTuple):
     lengths: np.ndarray  # int64
     match: np.ndarray  # int64
 
-    def draft(self, r: int) -> LookupDraft:
-        n = int(self.lengths[r])
-        return LookupDraft(self.tokens[r, :n], tuple(self.probs[r, :n].tolist()), int(self.match[r])) if n else NO_DRAFT
-
 
 def context_drafts(
     token_ids: np.ndarray,

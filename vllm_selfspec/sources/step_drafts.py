@@ -47,7 +47,8 @@ class StepDrafts:
         n = len(draft)
         self.tokens[row, :n], self.lengths[row], self.match[row] = draft.tokens, n, draft.match
         self.sources[row], self.has_probs[row] = SOURCE_INDEX[source], bool(draft.probs)
-        self.probs[row, :n] = draft.probs if draft.probs else 1.0
+        if draft.probs:  # (else unread: `has_probs` says so)
+            self.probs[row, :n] = draft.probs
 
     def put_rows(self, rows: np.ndarray, *, tokens, probs, lengths, match, source: DraftSource) -> None:
         """Drafts with probabilities of several rows at once (`tokens` and `probs`: a row each,
