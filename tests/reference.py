@@ -130,3 +130,38 @@ def give_back_by_scan(protection, taken: list, seconds: float) -> list:
         seconds -= token[3] * len(token[2])
         given.append(token)
     return given
+
+
+class LearningByObjects:
+    """What verified drafts teach, learned draft by draft with `AcceptanceRate` objects (as
+    `AcceptanceModel` learned before its arrays): the reference for `request_rates.learn_verified`."""
+
+    def __init__(self):
+        from vllm_selfspec.control.acceptance import LOOKED_UP, EstimateCalibration, default_rates
+
+        self.rates = default_rates()
+        self.by_request = {}  # (request, source): its own AcceptanceRate
+        self.trusted = set()
+        self.by_bin = {}  # bin: its AcceptanceRate
+        self.calibration = {source: EstimateCalibration() for source in LOOKED_UP}
+
+    def observe(self, req_id: str, source, drafted: int, accepted: int, calibration, estimated: float) -> None:
+        from vllm_selfspec.control.acceptance import AcceptanceRate, DraftSource
+        from vllm_selfspec.control.request_rates import REQUEST_DECAY, TRUSTED_AFTER_TOKENS
+
+        overall = self.rates[source]
+        overall.observe(drafted, accepted)
+        if source != DraftSource.SELF:
+            self.calibration[source].observe(estimated, min(accepted, drafted))
+            own = self.by_request.setdefault((req_id, source), AcceptanceRate(prior=overall.rate, decay=REQUEST_DECAY))
+            own.observe(drafted, accepted)
+            if own.verified >= TRUSTED_AFTER_TOKENS:
+                self.trusted.add(req_id)
+        for j, (token_bin, prior) in enumerate(zip(calibration.bins.tolist(), calibration.priors.tolist())):
+            if j <= accepted and j < drafted:  # (the accepted tokens and the first rejected)
+                rate = self.by_bin.setdefault(token_bin, AcceptanceRate(prior=min(prior, 0.999)))
+                rate.observe(1, int(j < accepted))
+
+    def forget(self, req_id: str) -> None:
+        self.by_request = {key: rate for key, rate in self.by_request.items() if key[0] != req_id}
+        self.trusted.discard(req_id)

@@ -1322,6 +1322,55 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
     assert run_step(verified=4) > settled
 
 
+def test_a_steps_self_drafts_are_learned_with_its_lookup_drafts_in_the_steps_row_order():
+    """`StepLessons`: a step's lookup drafts and self-drafts, learned once verified, as each
+    draft alone in the order of the rows that verified them (`reference.LearningByObjects`); a
+    row that self-drafted after its lookup draft was taken is learned as a self-draft only."""
+    from types import SimpleNamespace
+
+    from reference import LearningByObjects
+
+    from vllm_selfspec.control.learning import StepLessons
+    from vllm_selfspec.operations.counters import ProposerCounters
+
+    controller = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.95, self_rate=0.9)
+    controller.acceptance.rates[DraftSource.SELF] = AcceptanceRate(prior=0.9)  # (fading: the order counts)
+    reference = LearningByObjects()
+    reference.rates = {s: dataclasses.replace(r) for s, r in controller.acceptance.rates.items()}
+    offers = [RowOffer(f"r{i}", lookup_tokens=4, lookup_probs=(0.9, 0.8, 0.5, 0.5)) for i in range(3)]
+    lessons = StepLessons(controller, ProposerCounters())
+    step_offers = StepOffers.of(offers)
+    gains = controller.acceptance.step_gains(step_offers)
+    lessons.note_step()
+    lessons.lookup_drafts_taken(SimpleNamespace(offers=step_offers, gains=gains), [0, 2], [4, 3])
+    lessons.self_drafted("r3", 2)
+    lessons.self_drafted("r2", 4)  # (in place of its lookup draft)
+    lessons.step_ended(drafted=True)
+    lessons.call_ended()
+    lessons.note_step()
+    # The rows moved in the batch: r2 first, then r0, r3.
+    rows = [SimpleNamespace(req_id=r, index=i) for i, r in enumerate(["r2", "r0", "r1", "r3"])]
+    accepted = {"r3": 1, "r0": 3, "r1": 0, "r2": 4}
+    step = SimpleNamespace(
+        rows=rows,
+        shape=lambda: None,
+        engine_was_busy=True,
+        verified_draft_tokens=lambda req_id: {"r3": 2, "r0": 4, "r2": 4}.get(req_id, 0),
+        accepted=lambda index: accepted[rows[index].req_id],
+    )
+    lessons.learn(step)
+    no_bins = SimpleNamespace(bins=np.zeros(0, dtype=np.int64), priors=np.zeros(0))
+    reference.observe("r2", DraftSource.SELF, 4, 4, no_bins, 0.0)
+    reference.observe("r0", DraftSource.LOOKUP, 4, 3, gains.calibration(0, 4), float(sum(gains.estimated[0, :4])))
+    reference.observe("r3", DraftSource.SELF, 2, 1, no_bins, 0.0)
+    assert {s: r.rate for s, r in controller.acceptance.rates.items()} == {
+        s: r.rate for s, r in reference.rates.items()
+    }
+    assert controller.acceptance.requests.rate("r0", 0) == reference.by_request[("r0", DraftSource.LOOKUP)].rate
+    assert controller.acceptance.requests.rate("r2", 0) is None  # (its lookup draft was not what ran)
+    assert lessons.counters.lookup_accepted == 3 and lessons.counters.lookup_tokens == 7
+
+
 def test_the_compiled_lookup_plan_is_the_plan_python_makes():
     """The compiled kernel (`control.lookup_plan`) against the planner's token-by-token Python
     path, on random batches: gains tied across rows and depths, rows trusted or not, ahead or
@@ -1387,6 +1436,7 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
     import random
 
     from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource
+    from vllm_selfspec.control.request_rates import TRUSTED_AFTER_TOKENS
 
     rng = random.Random(5)
     sources = [DraftSource.LOOKUP, DraftSource.HISTORY, DraftSource.PREDICTION]
@@ -1410,17 +1460,21 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
     compared = learned = trusted_by_bins = 0
     for _ in range(300):
         acceptance, by_bin = AcceptanceModel(), {}  # (by_bin: each bin's rate as objects, the reference)
+        own_tokens = {}  # (per request and source, its verified tokens: the reference for its own trust)
         offers = [random_offer(i) for i in range(rng.randint(1, 24))]
         for _ in range(rng.randint(0, 60)):
             # (drafts like the step's, of other requests or its own: they fill the same bins)
             o = dataclasses.replace(rng.choice(offers), req_id=rng.choice(["other", "r1"]))
             if rng.random() < 0.05:  # (a request ends: its own trust goes)
                 acceptance.forget(o.req_id)
+                own_tokens = {key: tokens for key, tokens in own_tokens.items() if key[0] != o.req_id}
             if o.lookup_tokens:
                 estimated, accepted = sum(acceptance.lookup_gains(o, scaled=False)), rng.randint(0, o.lookup_tokens)
                 verified = rng.randint(max(accepted, 1), o.lookup_tokens)  # (verification may cut a draft short)
                 bins = acceptance.calibration(o)
                 acceptance.observe_draft(o.req_id, o.lookup_source, verified, accepted, bins, estimated)
+                key = (o.req_id, o.lookup_source)
+                own_tokens[key] = own_tokens.get(key, 0) + verified
                 for j, (token_bin, prior) in enumerate(zip(*bins)):
                     if j <= accepted and j < verified:  # (the accepted tokens and the first rejected)
                         rate = by_bin.setdefault(token_bin, AcceptanceRate(prior=min(prior, 0.999)))
@@ -1433,7 +1487,11 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
                 trusted = [acceptance.trusted(o) for o in offers]
                 step = StepOffers.of(offers)
                 assert acceptance.trusted_rows(step, acceptance.step_gains(step)).tolist() == trusted
-                trusted_by_bins += sum(t and not acceptance._trusted_request(o.req_id) for t, o in zip(trusted, offers))
+                own = [
+                    any(n >= TRUSTED_AFTER_TOKENS for (r, _), n in own_tokens.items() if r == o.req_id) for o in offers
+                ]
+                assert all(t for t, trusted_own in zip(trusted, own) if trusted_own)
+                trusted_by_bins += sum(t and not trusted_own for t, trusted_own in zip(trusted, own))
         step = StepOffers.of(offers)
         assert step.rows == offers  # (the row-by-row paths plan from what the arrays hold)
         gains = acceptance.step_gains(step)
@@ -1453,49 +1511,59 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
 
 
 def test_a_steps_drafts_learned_at_once_are_each_draft_learned_in_turn():
-    """`AcceptanceModel.observe_drafts` (one kernel call for a step's bins) against
-    `observe_draft` draft by draft, in the same order: the bins' arrays, the sources' and the
-    requests' rates, the estimates' calibration and trust, to the last bit, over steps whose
-    drafts share bins (the order within a step matters there)."""
+    """`AcceptanceModel.observe_drafts` (one kernel call a step, `request_rates.learn_verified`)
+    against `reference.LearningByObjects`, draft by draft with rate objects: the bins, the
+    sources' and the requests' rates, the estimates' calibration and trust, to the last bit,
+    over steps whose drafts share bins and requests (the order within a step matters there),
+    with requests ending (their slots given to others) and more requests than the first slots."""
     import random
 
-    from vllm_selfspec.control.acceptance import AcceptanceModel, DraftSource, VerifiedDraft
+    from vllm_selfspec.control.acceptance import SOURCE_INDEX, AcceptanceModel, DraftSource, VerifiedDraft
+
+    from reference import LearningByObjects
 
     rng = random.Random(7)
     shared = 0
-    at_once, in_turn = AcceptanceModel(), AcceptanceModel()
-    for _ in range(200):
+    model, reference = AcceptanceModel(), LearningByObjects()
+    for _ in range(300):
         drafts = []
         for _ in range(rng.randint(0, 12)):
             source = rng.choice([DraftSource.LOOKUP, DraftSource.HISTORY, DraftSource.PREDICTION, DraftSource.SELF])
             tokens = rng.randint(1, 6)
             offer = RowOffer(
-                f"r{rng.randint(0, 5)}",
+                f"r{rng.randint(0, 90)}",
                 lookup_tokens=0 if source == DraftSource.SELF else tokens,
                 lookup_source=DraftSource.LOOKUP if source == DraftSource.SELF else source,
                 lookup_probs=tuple(sorted((rng.choice([0.2, 0.5, 0.9, 1.0]) for _ in range(tokens)), reverse=True)),
                 lookup_match=rng.choice([1, 3, 9]),
             )
-            calibration = in_turn.calibration(offer)
+            calibration = model.calibration(offer)
             accepted = rng.randint(0, tokens)
             drafts.append(VerifiedDraft(offer.req_id, source, tokens, accepted, calibration, rng.uniform(0, 3)))
         bins = [b for d in drafts for b in d.calibration.bins[: min(d.accepted + 1, d.drafted)].tolist()]
         shared += len(bins) > len(set(bins))
-        at_once.observe_drafts(drafts)
+        model.observe_drafts(drafts)
         for d in drafts:
-            in_turn.observe_draft(*d)
-        for name in ("_bin_accepted", "_bin_trials", "_bin_verified"):
-            assert getattr(at_once, name).tolist() == getattr(in_turn, name).tolist()
-        assert np.array_equal(at_once._bin_rates, in_turn._bin_rates, equal_nan=True)
-        for rates in ("rates", "_by_request"):
-            assert {k: r.rate for k, r in getattr(at_once, rates).items()} == {
-                k: r.rate for k, r in getattr(in_turn, rates).items()
-            }
-        assert at_once._trusted_requests == in_turn._trusted_requests
-        assert {s: c.factor for s, c in at_once.estimate_calibration.items()} == {
-            s: c.factor for s, c in in_turn.estimate_calibration.items()
+            reference.observe(*d)
+        learned = np.flatnonzero(model._bin_verified).tolist()
+        assert learned == sorted(reference.by_bin)
+        assert model._bin_rates[learned].tolist() == [reference.by_bin[b].rate for b in learned]
+        assert model._bin_verified[learned].tolist() == [reference.by_bin[b].verified for b in learned]
+        assert {s: r.rate for s, r in model.rates.items()} == {s: r.rate for s, r in reference.rates.items()}
+        for (req_id, source), rate in reference.by_request.items():
+            assert model.requests.rate(req_id, SOURCE_INDEX[source]) == rate.rate
+        assert {r for r in model.requests.slot_of if model.requests.trusted[model.requests.slot_of[r]]} == (
+            reference.trusted
+        )
+        assert {s: c.factor for s, c in model.estimate_calibration.items()} == {
+            s: c.factor for s, c in reference.calibration.items()
         }
-    assert shared > 100
+        for _ in range(rng.randint(0, 3)):  # (requests end: a later one may take the slot)
+            req_id = f"r{rng.randint(0, 90)}"
+            model.forget(req_id)
+            reference.forget(req_id)
+            assert model.lookup_rate(req_id) == model.rates[DraftSource.LOOKUP].rate
+    assert shared > 100 and len(model.requests.trusted) > 64
 
 
 def test_the_indexed_give_back_gives_back_what_a_scan_would():

@@ -70,6 +70,7 @@ class DraftPipeline:
             self.lookup.forget_history()
         fault_point("update_states")
         self.lookup.admit(note.tenants, live_requests)
+        self.controller.acceptance.requests.keep_only(live_requests)
         if len(self.request_facts) > 2 * len(live_requests) + 64:  # (should a request never be forgotten)
             self.request_facts = {r: f for r, f in self.request_facts.items() if r in live_requests}
 

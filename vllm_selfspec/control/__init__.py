@@ -63,9 +63,9 @@ class DraftController:
         """`AcceptanceModel.observe_draft`; `learned`: its calibration and estimate, if any."""
         self.acceptance.observe_draft(req_id, source, drafted, accepted, *learned)
 
-    def observe_drafts(self, drafts: list) -> None:
-        """A step's drafts once verified (`AcceptanceModel.observe_drafts`)."""
-        self.acceptance.observe_drafts(drafts)
+    def learn_drafts(self, made, order, scheduled, sampled):
+        """What verification made of a step's drafts (`AcceptanceModel.learn`)."""
+        return self.acceptance.learn(made, order, scheduled, sampled)
 
     def observe_lookup(self, rows: int, seconds: float) -> None:
         self.lookup_gate.observe_lookup(rows, seconds)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_selfspec.compiled import compiled
+from vllm_selfspec.control.request_rates import REQUEST_DECAY, DraftsMade, RequestRates, learn_verified
 
 
 class DraftSource(str, Enum):
@@ -77,7 +78,6 @@ class AcceptanceRate:
         return min(self.accepted.value / self.trials.value, 0.999)
 
 
-TRUSTED_AFTER_TOKENS = 8  # a request's verified draft tokens before its own acceptance counts
 TRUSTED_BIN_TOKENS = 16  # ... or, per calibration bin, every request's, before a new request's does
 MATCH_EDGES = (2, 4, 8)  # match length buckets: 1 | 2-3 | 4-7 | 8+ tokens
 AGREEMENT_EDGES = (0.34, 0.5, 0.67, 0.9)  # share of the occurrences agreeing on the token
@@ -130,15 +130,16 @@ class StepGains:
     estimated: np.ndarray
     bins: np.ndarray
     priors: np.ndarray
+    slots: np.ndarray | None = None  # each row's request slot (`request_rates.RequestRates`)
 
-    def expected(self, rows: list[int], lengths: list[int]) -> tuple[list[float], list[float]]:
+    def expected(self, rows, lengths) -> tuple[np.ndarray, np.ndarray]:
         """The tokens of each row's first `length` the planner expected accepted, and unscaled
         (summed left to right, in one kernel call: what is learned from them must not depend on
         how)."""
         planned, estimated = np.empty(len(rows)), np.empty(len(rows))
-        at, lengths = np.array(rows, dtype=np.int64), np.array(lengths, dtype=np.int64)
+        at, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
         _sums_in_order(self.planned, self.estimated, at, lengths, planned, estimated)
-        return planned.tolist(), estimated.tolist()
+        return planned, estimated
 
     def calibration(self, row: int, length: int) -> Calibration:
         """The bins and priors of the row's first `length` lookup tokens (views of the step's
@@ -177,29 +178,6 @@ class VerifiedDraft(NamedTuple):
 
 
 BIN_DECAY = 0.98  # a bin's rate, as `AcceptanceRate`'s default
-
-
-@compiled
-def _observe_bins(bins, priors, ends, accepted, bin_accepted, bin_trials, bin_verified, bin_rates, decay):
-    """`AcceptanceRate.observe(1, j < accepted[r])` for each token j of each verified draft r
-    (its tokens are `bins[ends[r]:ends[r + 1]]`), in its bin, over the arrays of every bin (a
-    bin starts at two pseudo-trials at its first token's prior): the same arithmetic in the
-    same order, so the same bits as the objects. A bin id outside the arrays raises before
-    anything is learned (numba checks no bounds)."""
-    for t in range(len(bins)):
-        if bins[t] < -1 or bins[t] >= len(bin_rates):
-            raise ValueError("a calibration's bin ids outside the bins")
-    for r in range(len(accepted)):
-        for t in range(ends[r], ends[r + 1]):
-            b = bins[t]
-            if b < 0:
-                continue
-            if bin_verified[b] == 0:
-                bin_accepted[b], bin_trials[b] = 2 * min(priors[t], 0.999), 2.0
-            bin_accepted[b] = decay * bin_accepted[b] + (1.0 if t - ends[r] < accepted[r] else 0.0)
-            bin_trials[b] = decay * bin_trials[b] + 1.0
-            bin_verified[b] += 1
-            bin_rates[b] = min(bin_accepted[b] / bin_trials[b], 0.999)
 
 
 AGREEMENT = np.array(AGREEMENT_EDGES)
@@ -266,6 +244,7 @@ def warm_up() -> None:
     _lookup_gains(one, np.ones(1), (*offered, model._bin_rates, AGREEMENT, MATCH), one, rates, *out)
     StepGains(*out).expected([0], [1])
     model.observe_draft("warm-up", DraftSource.LOOKUP, 1, 1, Calibration(np.zeros(1, np.int64), np.ones(1)))
+    model.forget("warm-up")
 
 
 def default_rates() -> dict[DraftSource, AcceptanceRate]:
@@ -307,16 +286,14 @@ class EstimateCalibration:
 @dataclass
 class AcceptanceModel:
     rates: dict[DraftSource, AcceptanceRate] = field(default_factory=default_rates)
-    # Lookup acceptance per request and source (prior: the source's overall rate).
-    _by_request: dict[tuple[str, DraftSource], AcceptanceRate] = field(default_factory=dict)
-    # Requests whose own rate of some source rests on TRUSTED_AFTER_TOKENS verified tokens (a
-    # count that only grows while the request lives): read for every row of every step.
-    _trusted_requests: set[str] = field(default_factory=set)
+    # Lookup acceptance per request and source (prior: the source's overall rate), and whether
+    # the request's own rate is trusted, as arrays over request slots (`request_rates`).
+    requests: RequestRates = field(default_factory=RequestRates)
     # Lookup acceptance per token bin, by `bin_id` (prior: the agreement share of its first
     # token, or without probabilities, as for a prediction, its source's rate), as arrays over
     # every bin, which a step reads at once (`step_gains`, `trusted_rows`) and learns into with
-    # one kernel per draft (`_observe_bins`): each bin's rate (NaN for a bin no draft has been
-    # verified in), tokens verified, and decayed accepted tokens and trials.
+    # its drafts (`request_rates.learn_verified`): each bin's rate (NaN for a bin no draft has
+    # been verified in), tokens verified, and decayed accepted tokens and trials.
     _bin_rates: np.ndarray = field(default_factory=lambda: np.full(NUM_BINS, np.nan))
     _bin_verified: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS, dtype=np.int64))
     _bin_accepted: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
@@ -348,48 +325,62 @@ class AcceptanceModel:
         self.observe_drafts([VerifiedDraft(req_id, DraftSource(source), drafted, accepted, calibration, estimated)])
 
     def observe_drafts(self, drafts: list[VerifiedDraft]) -> None:
-        """`observe_draft` of each of a step's drafts, in order: the rates draft by draft, the
-        bins of all of them in one kernel call."""
-        bins, priors, ends, accepted = [], [], [0], []
-        for draft in drafts:
-            self._observe_rates(draft)
-            tried = min(draft.accepted + 1, draft.drafted)  # the accepted tokens and the first rejected
-            if tried > 0 and len(draft.calibration.bins):
-                bins.append(draft.calibration.bins[:tried])
-                priors.append(draft.calibration.priors[:tried])
-                if len(bins[-1]) != len(priors[-1]):
-                    raise ValueError(f"a calibration of {len(bins[-1])} bins and {len(priors[-1])} priors")
-                ends.append(ends[-1] + len(bins[-1]))
-                accepted.append(draft.accepted)
-        if bins:
-            bins, priors = np.concatenate(bins).astype(np.int64, copy=False), np.concatenate(priors)
-            arrays = (self._bin_accepted, self._bin_trials, self._bin_verified, self._bin_rates)
-            _observe_bins(bins, priors, np.array(ends), np.array(accepted), *arrays, BIN_DECAY)
+        """`observe_draft` of each of a step's drafts, in order (`learn`)."""
+        width = max((len(d.calibration.bins) for d in drafts), default=0)
+        bins, priors = np.full((len(drafts), width), -1, dtype=np.int64), np.zeros((len(drafts), width))
+        for i, draft in enumerate(drafts):
+            n = len(draft.calibration.bins)
+            if len(draft.calibration.priors) != n:
+                raise ValueError(f"a calibration of {n} bins and {len(draft.calibration.priors)} priors")
+            bins[i, :n], priors[i, :n] = draft.calibration.bins, draft.calibration.priors
+        drafted = np.array([d.drafted for d in drafts], dtype=np.int64)
+        made = DraftsMade(
+            req_ids=[d.req_id for d in drafts],
+            slots=self.requests.slots([d.req_id for d in drafts]),
+            sources=np.array([SOURCE_INDEX[DraftSource(d.source)] for d in drafts], dtype=np.int64),
+            lengths=drafted,
+            expected=np.zeros(len(drafts)),
+            estimated=np.array([d.estimated for d in drafts], dtype=np.float64),
+            bins=bins,
+            priors=priors,
+        )
+        accepted = np.array([d.accepted for d in drafts], dtype=np.int64)
+        self.learn(made, np.arange(len(drafts)), drafted, accepted)
 
-    def _observe_rates(self, draft: VerifiedDraft) -> None:
-        """A verified draft's outcome in its source's rate, its request's and its estimates'."""
-        source, drafted, accepted = draft.source, draft.drafted, draft.accepted
-        overall = self.rates[source]
-        overall.observe(drafted, accepted)
-        if source != DraftSource.SELF:
-            self.estimate_calibration[source].observe(draft.estimated, min(accepted, drafted))
-            key = (draft.req_id, source)
-            if key not in self._by_request:
-                self._by_request[key] = AcceptanceRate(prior=overall.rate, decay=0.95)
-            own = self._by_request[key]
-            own.observe(drafted, accepted)
-            if own.verified >= TRUSTED_AFTER_TOKENS:
-                self._trusted_requests.add(draft.req_id)
+    def learn(self, made: DraftsMade, order: np.ndarray, scheduled: np.ndarray, sampled: np.ndarray):
+        """What verification made of drafts `made`: those at `order`, in that order, `scheduled`
+        tokens of each verified and `sampled` accepted, learned in one kernel call
+        (`request_rates.learn_verified`): the overall rates and the estimates' calibration (a
+        few numbers a source, copied in and back out of their objects), the requests' own rates
+        and trust, and the bins. Returns each draft's accepted tokens (-1: cut short or withheld)
+        and the counters' sums (`request_rates.WITHHELD`...)."""
+        rates = [self.rates[source] for source in SOURCES]
+        calibrations = [self.estimate_calibration[source] for source in LOOKED_UP]
+        overall = np.array([(r.accepted.value, r.trials.value, r.accepted.decay, r.verified) for r in rates])
+        calibration = np.array([(c.accepted.value, c.expected.value, c.accepted.decay) for c in calibrations])
+        settled, sums, requests = np.empty(len(order), dtype=np.int64), np.zeros(6), self.requests
+        learn_verified(
+            made.slots, made.sources, made.lengths, made.expected, made.estimated, made.bins, made.priors,
+            order, scheduled, sampled,
+            overall, calibration,
+            requests.accepted, requests.trials, requests.verified, requests.seen, requests.trusted,
+            self._bin_accepted, self._bin_trials, self._bin_verified, self._bin_rates,
+            REQUEST_DECAY, BIN_DECAY,
+            settled, sums,
+        )  # fmt: skip
+        for rate, (accepted, trials, _, verified) in zip(rates, overall.tolist()):
+            rate.accepted.value, rate.trials.value, rate.verified = accepted, trials, int(verified)
+        for calibrated, (accepted, expected, _) in zip(calibrations, calibration.tolist()):
+            calibrated.accepted.value, calibrated.expected.value = accepted, expected
+        return settled, sums
 
     def forget(self, req_id: str) -> None:
-        for source in LOOKED_UP:
-            self._by_request.pop((req_id, source), None)
-        self._trusted_requests.discard(req_id)
+        self.requests.forget(req_id)
 
     def lookup_rate(self, req_id: str, source: str = DraftSource.LOOKUP) -> float:
         source = DraftSource(source)
-        rate = self._by_request.get((req_id, source))
-        return rate.rate if rate else self.rates[source].rate
+        own = self.requests.rate(req_id, SOURCE_INDEX[source])
+        return self.rates[source].rate if own is None else own
 
     def trusted(self, offer) -> bool:
         """Whether a row's estimated gain rests on enough verified draft tokens to be credited
@@ -399,27 +390,20 @@ class AcceptanceModel:
         a chat row's short, weak matches beside a row that repeats one token, whose drafts
         fill other bins). Not a prediction's: it is the request's own text, as good or as bad
         as its sender made it, and other requests' predictions say nothing of it."""
-        own = self._trusted_request(offer.req_id)
+        slot = self.requests.slot_of.get(offer.req_id)
+        own = slot is not None and bool(self.requests.trusted[slot])
         if own or not offer.lookup_tokens or DraftSource(offer.lookup_source) == DraftSource.PREDICTION:
             return own
         return all(self._bin_verified[bin_id(token_bin)] >= TRUSTED_BIN_TOKENS for token_bin in set(offer.lookup_bins))
 
     def trusted_rows(self, offers, gains: StepGains) -> np.ndarray:
         """`trusted` of every row of a step's offers (`offers.StepOffers`), as an array."""
-        trusted_requests = self._trusted_requests
-        own = np.fromiter((r in trusted_requests for r in offers.req_ids), dtype=bool, count=len(offers))
+        slots = self.requests.slots(offers.req_ids) if gains.slots is None else gains.slots
+        own = self.requests.trusted[slots]
         bins = gains.bins
         verified = np.where(bins >= 0, self._bin_verified[bins], TRUSTED_BIN_TOKENS) >= TRUSTED_BIN_TOKENS
         looked_up = (offers.lookup_tokens > 0) & (offers.sources != SOURCE_INDEX[DraftSource.PREDICTION])
         return own | (looked_up & verified.all(axis=1))
-
-    def _trusted_request(self, req_id: str) -> bool:
-        """Whether the request's own rate is trusted, from its rates (`_trusted_requests`' reference)."""
-        for source in LOOKED_UP:
-            rate = self._by_request.get((req_id, source))
-            if rate is not None and rate.verified >= TRUSTED_AFTER_TOKENS:
-                return True
-        return False
 
     def calibration(self, offer, length: int | None = None) -> Calibration:
         """The bins and priors of an offer's first `length` lookup tokens (all by default)."""
@@ -465,23 +449,21 @@ class AcceptanceModel:
         estimated = np.zeros((len(offers), max(width, 1)))
         bins, priors = np.full(estimated.shape, -1, dtype=np.int64), np.zeros(estimated.shape)
         rows = np.flatnonzero(lengths)
+        slots = self.requests.slots(offers.req_ids)
         if not len(rows):
-            return StepGains(estimated, estimated, bins, priors)
+            return StepGains(estimated, estimated, bins, priors, slots)
         # Per source: its rate and calibration factor; per row: its request's rate over its source's.
         source_rates = np.ones((len(SOURCES), 2))
         for source in LOOKED_UP:
             source_rates[SOURCE_INDEX[source]] = self.rates[source].rate, self.estimate_calibration[source].factor
-        by_request, req_ids, request = self._by_request, offers.req_ids, []
-        for i, s in zip(rows.tolist(), offers.sources[rows].tolist()):
-            own, rate = by_request.get((req_ids[i], SOURCES[s])), source_rates[s, 0]
-            request.append((own.rate if own is not None else rate) / rate)
+        request = self.requests.factors(slots[rows], offers.sources[rows], source_rates[:, 0])
         offered = (offers.lookup_tokens, offers.sampled, offers.match, offers.has_probs, offers.probs)
         planned = np.zeros_like(estimated)
         _lookup_gains(
-            rows, np.array(request), (*offered, self._bin_rates, AGREEMENT, MATCH), offers.sources, source_rates,
+            rows, request, (*offered, self._bin_rates, AGREEMENT, MATCH), offers.sources, source_rates,
             planned, estimated, bins, priors,
         )  # fmt: skip
-        return StepGains(planned, estimated, bins, priors)
+        return StepGains(planned, estimated, bins, priors, slots)
 
     def scaled(self, source: str, estimates: list[float]) -> list[float]:
         """A lookup source's unscaled gains, scaled by what verification bears out of them."""

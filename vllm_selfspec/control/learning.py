@@ -10,29 +10,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from vllm_selfspec.control import Calibration, DraftController, DraftSource
-from vllm_selfspec.control.acceptance import NO_CALIBRATION, SOURCE_INDEX, SOURCES, VerifiedDraft
+import numpy as np
+
+from vllm_selfspec.control import DraftController, DraftSource
+from vllm_selfspec.control.acceptance import SOURCE_INDEX
+from vllm_selfspec.control.request_rates import DraftsMade
 from vllm_selfspec.operations.counters import ProposerCounters, prompt_key
-
-
-class DraftMade(NamedTuple):
-    """A row's draft this step, to learn from when it has been verified. (A tuple: every
-    drafting row of every step makes one.)"""
-
-    source: DraftSource
-    length: int
-    calibration: Calibration  # its lookup tokens' bins and priors
-    expected: float = 0.0  # lookup tokens the planner expected to be accepted, as it planned
-    estimated: float = 0.0  # the same before its calibration scaled them (what that learns from)
 
 
 @dataclass
 class StepLessons:
     controller: DraftController
     counters: ProposerCounters
-    drafted: dict[str, DraftMade] = field(default_factory=dict)
+    made: DraftsMade | None = None  # the step's lookup drafts
+    self_made: dict[str, int] = field(default_factory=dict)  # ... and self-drafts (req_id: length)
     step_end: float | None = None  # when the proposer last returned drafts
     steps_run: int = 0  # steps the runner began (`note_step`)
     proposed_at: int = -1  # the step of the last call for drafts
@@ -65,40 +57,55 @@ class StepLessons:
             )
             self.counters.steps_timed += 1
         self.step_end = None
-        accepted, verified = None, []
-        if follows_last_call:  # (a row that drafted nothing accepted nothing: it costs no lesson)
-            accepted = {
-                row.req_id: self._learn_row(step, row, verified) if row.req_id in self.drafted else 0
-                for row in step.rows
-            }
-            self.controller.observe_drafts(verified)
+        # (a row that drafted nothing accepted nothing: it costs no lesson)
+        accepted = self._learn_drafts(step) if follows_last_call else None
         # The per-row rule's ledger settles the step as planned only if it ran as planned: every
         # draft verified whole (a step beside a prefill, whose drafts the scheduler withheld,
         # cost what a plain one does, not what was planned).
         as_planned = accepted is not None and None not in accepted.values()
         self.controller.observe_rows(accepted if as_planned else None)
-        self.drafted = {}
+        self.made, self.self_made = None, {}
 
-    def _learn_row(self, step, row, learned: list[VerifiedDraft]) -> int | None:
-        """What verification made of the row's draft, appended to `learned` (for the acceptance
-        model to learn a step's drafts at once): its accepted tokens (None: the scheduler cut the
-        draft short or withheld it)."""
-        made = self.drafted[row.req_id]
-        verified = min(made.length, step.verified_draft_tokens(row.req_id))
-        self.counters.draft_tokens_withheld += made.length - verified
-        if not verified:
-            return None
-        accepted = min(step.accepted(row.index), verified)
-        learned.append(VerifiedDraft(row.req_id, made.source, verified, accepted, made.calibration, made.estimated))
-        cut_short = verified < made.length
-        if made.source == DraftSource.PREDICTION:  # (not the lookup gate's: predictions cost no lookup)
-            self.counters.prediction_accepted += accepted
-        elif made.source != DraftSource.SELF:
-            self.controller.observe_lookup_accepted(accepted)
-            self.counters.lookup_accepted += accepted
-            self.counters.lookup_expected += made.expected
-            self.counters.lookup_estimated += made.estimated
-        return None if cut_short else accepted
+    def _learn_drafts(self, step) -> dict[str, int | None]:
+        """What verification made of the last call's drafts, learned at once, in the step's row
+        order: each row's accepted draft tokens (None: the scheduler cut its draft short or
+        withheld it; 0: it drafted nothing)."""
+        index = {row.req_id: row.index for row in step.rows}
+        accepted: dict[str, int | None] = dict.fromkeys(index, 0)
+        made = self._made()
+        if made is None:
+            return accepted
+        order = sorted((index[r], k) for k, r in enumerate(made.req_ids) if r in index)
+        if not order:
+            return accepted
+        at = [k for _, k in order]
+        scheduled = np.array([step.verified_draft_tokens(made.req_ids[k]) for k in at], dtype=np.int64)
+        sampled = np.array([step.accepted(i) for i, _ in order], dtype=np.int64)
+        settled, sums = self.controller.learn_drafts(made, np.array(at, dtype=np.int64), scheduled, sampled)
+        for k, tokens in zip(at, settled.tolist()):
+            accepted[made.req_ids[k]] = tokens if tokens >= 0 else None
+        counters, (withheld, predicted, looked_up, expected, estimated, drafts) = self.counters, sums.tolist()
+        counters.draft_tokens_withheld += int(withheld)
+        counters.prediction_accepted += int(predicted)  # (not the lookup gate's: predictions cost no lookup)
+        if drafts:
+            self.controller.observe_lookup_accepted(int(looked_up))
+            counters.lookup_accepted += int(looked_up)
+            counters.lookup_expected += expected
+            counters.lookup_estimated += estimated
+        return accepted
+
+    def _made(self) -> DraftsMade | None:
+        """The last call's drafts: its lookup drafts, and its self-drafts in place of a row's
+        lookup draft."""
+        if not self.self_made:
+            return self.made
+        req_ids = list(self.self_made)
+        slots = self.controller.acceptance.requests.slots(req_ids)
+        made = DraftsMade.self_drafts(req_ids, slots, list(self.self_made.values()))
+        if self.made is None:
+            return made
+        kept = [i for i, r in enumerate(self.made.req_ids) if r not in self.self_made]
+        return self.made.taken(np.array(kept, dtype=np.int64)).joined(made)
 
     def lookup_drafts_taken(self, prepared, rows: list[int], lengths: list[int]) -> None:
         """What to learn from a step's lookup drafts once they are verified (its rows `rows`,
@@ -106,29 +113,31 @@ class StepLessons:
         accepted (`prepared.gains`, as it planned)."""
         if not rows:
             return
-        gains, offers, tokens = prepared.gains, prepared.offers, [0] * len(SOURCES)  # (tokens: by source)
-        planned, estimated = gains.expected(rows, lengths)
-        # (rank 0's plan, which every rank follows, may draft a row past the draft this rank found)
-        offered, sources, made = offers.lookup_tokens.tolist(), offers.sources.tolist(), {}
-        for row, length, expected, unscaled in zip(rows, lengths, planned, estimated):
-            calibration = gains.calibration(row, min(length, offered[row]))
-            made[offers.req_ids[row]] = DraftMade(SOURCES[sources[row]], length, calibration, expected, unscaled)
-            tokens[sources[row]] += length
-        self.drafted.update(made)  # (all of the step's lessons or, should making them fail, none)
-        counters = self.counters
-        counters.lookup_tokens += sum(lengths)
-        counters.history_tokens += tokens[SOURCE_INDEX[DraftSource.HISTORY]]
-        counters.prediction_tokens += tokens[SOURCE_INDEX[DraftSource.PREDICTION]]
-        counters.context_tokens += tokens[SOURCE_INDEX[DraftSource.LOOKUP]]
+        gains, offers = prepared.gains, prepared.offers
+        at, lengths = np.array(rows, dtype=np.int64), np.array(lengths, dtype=np.int64)
+        planned, estimated = gains.expected(at, lengths)
+        sources = offers.sources[at]
+        slots = gains.slots if gains.slots is not None else self.controller.acceptance.requests.slots(offers.req_ids)
+        # (rank 0's plan, which every rank follows, may draft a row past the draft this rank
+        # found: its tokens past that have no bin, -1)
+        self.made = DraftsMade(
+            [offers.req_ids[row] for row in rows], slots[at], sources, lengths, planned, estimated,
+            gains.bins[at], gains.priors[at],
+        )  # fmt: skip
+        counters, tokens = self.counters, np.bincount(sources, weights=lengths, minlength=len(SOURCE_INDEX))
+        counters.lookup_tokens += int(lengths.sum())
+        counters.history_tokens += int(tokens[SOURCE_INDEX[DraftSource.HISTORY]])
+        counters.prediction_tokens += int(tokens[SOURCE_INDEX[DraftSource.PREDICTION]])
+        counters.context_tokens += int(tokens[SOURCE_INDEX[DraftSource.LOOKUP]])
 
     def self_drafted(self, req_id: str, length: int) -> None:
-        self.drafted[req_id] = DraftMade(DraftSource.SELF, length, NO_CALIBRATION)
+        self.self_made[req_id] = length
 
     def step_ended(self, *, drafted: bool) -> None:
         """The proposer is about to return this step's drafts (none if not `drafted`: then
         there is nothing to learn from the step after)."""
         if not drafted:
-            self.drafted = {}
+            self.made, self.self_made = None, {}
             self.controller.observe_rows(None)  # (the plan's drafts were not made)
         self.step_end = time.perf_counter()
 
