@@ -1328,10 +1328,10 @@ def test_a_steps_self_drafts_are_learned_with_its_lookup_drafts_in_the_steps_row
     row that self-drafted after its lookup draft was taken is learned as a self-draft only."""
     from types import SimpleNamespace
 
-    from reference import LearningByObjects
-
     from vllm_selfspec.control.learning import StepLessons
     from vllm_selfspec.operations.counters import ProposerCounters
+
+    from reference import LearningByObjects
 
     controller = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.95, self_rate=0.9)
     controller.acceptance.rates[DraftSource.SELF] = AcceptanceRate(prior=0.9)  # (fading: the order counts)
