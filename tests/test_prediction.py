@@ -54,15 +54,23 @@ def test_a_rows_prediction_draft_carries_its_run_as_its_match_length():
     """The offer the planner prices: the run, not a fixed bin for every prediction token."""
     from types import SimpleNamespace
 
+    import numpy as np
+
     from vllm_selfspec.control import DraftSource
     from vllm_selfspec.operations.fail_safe import FailSafe
     from vllm_selfspec.options import make_options
     from vllm_selfspec.sources.row_lookup import RowLookup
 
     edited = FILE[:15] + [7, 8, 9] + FILE[20:]  # rejoins after the edit, then follows 2 more
-    step = SimpleNamespace(prediction=lambda row, limit: FILE[:limit], output=lambda row: edited[: 20 + REJOIN_TOKENS])
-    predictions = RowLookup(make_options({}), FailSafe()).predictions
-    source, draft = predictions.draft(step, SimpleNamespace(req_id="a", index=0), 4)
+    context = np.array([5, 6, *edited[: 20 + REJOIN_TOKENS]], dtype=np.int32)
+    step = SimpleNamespace(
+        prediction=lambda row, limit: FILE[:limit],
+        token_ids=context[None],
+        prompt_lengths=lambda rows: np.full(len(rows), 2, dtype=np.int64),
+        context_lengths=lambda rows: [len(context)] * len(rows),
+    )
+    lookup = RowLookup(make_options({"lookup": False}), FailSafe())
+    ((source, draft),) = lookup.find(step, [SimpleNamespace(req_id="a", index=0)], [4], look_up=False)
     want = (DraftSource.PREDICTION, FILE[22 + REJOIN_TOKENS : 26 + REJOIN_TOKENS], REJOIN_TOKENS + 2)
     assert (source, draft.tokens.tolist(), draft.match) == want
 
@@ -88,6 +96,7 @@ def test_a_prediction_left_at_every_fourth_token_gives_way_to_the_contexts_longe
             context=lambda row: context,
             token_ids=context[None].astype(np.int32),  # (as vLLM keeps them: looked up in one call)
             context_lengths=lambda rows: [len(context)] * len(rows),
+            prompt_lengths=lambda rows: np.full(len(rows), len(prompt), dtype=np.int64),
         )
         lookup = RowLookup(make_options({}), FailSafe())
         ((source, draft),) = lookup.find(step, [SimpleNamespace(req_id="a", index=0)], [4], look_up=True)
@@ -98,21 +107,36 @@ def test_a_prediction_left_at_every_fourth_token_gives_way_to_the_contexts_longe
     assert found(followed, followed[:8], prompt=FILE[:10]) == (DraftSource.PREDICTION, followed[8:12])
 
 
-def batch_step(token_ids, lengths, prompts, predictions: dict, *, in_place: bool):
-    """A step as `RowLookup.find` reads it: each row's context, prompt, output and prediction;
-    `in_place`: with the batch's token ids as vLLM keeps them (else each row is looked up alone)."""
+def batch_step(token_ids, lengths, prompts, predictions: dict):
+    """A step as `RowLookup.find` reads it: the batch's token ids as vLLM keeps them, and each
+    row's context, prompt, output and prediction."""
     from types import SimpleNamespace
 
-    step = SimpleNamespace(
+    import numpy as np
+
+    return SimpleNamespace(
         prediction=lambda row, limit: predictions.get(row, [])[:limit],
         output=lambda row: token_ids[row, min(prompts[row], lengths[row]) : lengths[row]],
         context=lambda row: token_ids[row, : lengths[row]],
         prompt=lambda row: token_ids[row, : prompts[row]],
+        token_ids=token_ids,
         context_lengths=lambda at: lengths[at].tolist(),
+        prompt_lengths=lambda at: np.minimum(prompts[at], lengths[at]).astype(np.int64),
     )
-    if in_place:
-        step.token_ids = token_ids
-    return step
+
+
+def find_each_row_alone(lookup, step, rows, budgets):
+    """`lookup.find` where the batch's lookup at once raises: each row is looked up alone."""
+    import pytest
+
+    from vllm_selfspec.sources import row_lookup
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("a batch's lookup at once that fails")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(row_lookup, "context_drafts", raising)
+        return lookup.find(step, rows, budgets, look_up=True)
 
 
 def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
@@ -145,8 +169,8 @@ def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
         looked_up_alone = []
         at_once._row = lambda *row, lookup=at_once._row, seen=looked_up_alone: seen.append(row) or lookup(*row)
         made = (token_ids, lengths, prompts, predictions)
-        got = at_once.find(batch_step(*made, in_place=True), rows, list(budgets), look_up=True)
-        want = alone.find(batch_step(*made, in_place=False), rows, list(budgets), look_up=True)
+        got = at_once.find(batch_step(*made), rows, list(budgets), look_up=True)
+        want = find_each_row_alone(alone, batch_step(*made), rows, list(budgets))
         assert not at_once.quarantine.requests and not alone.quarantine.requests
         for (source, draft), (want_source, want_draft) in zip(got, want):
             assert (source, draft.tokens.tolist(), draft.probs, draft.match) == (
@@ -163,7 +187,7 @@ def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
     said = [r.levelno for r in caplog.records if "looked up alone" in r.getMessage()]
     assert said and set(said) == {logging.WARNING}  # (once per proposer)
     caplog.clear()
-    alone.find(batch_step(*made, in_place=False), rows, list(budgets), look_up=True)
+    find_each_row_alone(alone, batch_step(*made), rows, list(budgets))
     assert [r.levelno for r in caplog.records if "looked up alone" in r.getMessage()] == [logging.DEBUG]
 
 
@@ -191,6 +215,7 @@ def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():
             context=lambda row: context,
             token_ids=context[None].astype(np.int32),
             context_lengths=lambda rows: [len(context)] * len(rows),
+            prompt_lengths=lambda rows: np.full(len(rows), len(FILE), dtype=np.int64),
         )
         lookup = RowLookup(make_options(options), FailSafe())
         ((_, draft),) = lookup.find(step, [SimpleNamespace(req_id="a", index=0)], [8], look_up=True)
@@ -505,3 +530,70 @@ def test_the_compiled_cursor_follows_as_the_rule_token_by_token_would():
             assert (cursor.position, cursor.run, cursor.departures, cursor.used) == (position, run, gone, len(used))
         departures += gone
     assert departures > 300
+
+
+def test_a_steps_predictions_followed_at_once_are_each_cursor_followed_alone():
+    """`RequestPredictions` (every live request's cursor in pooled arrays, a step's rows
+    followed in one compiled call) against a `PredictionCursor` per request: over random steps
+    of requests that come and go (their slots taken again, the pools compacted and grown),
+    outputs that follow, leave and rejoin their predictions, and budgets of 0 to 8, each row's
+    draft, match and departures are the cursor's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_selfspec.sources.prediction_cursor import PredictionCursor
+    from vllm_selfspec.sources.request_predictions import RequestPredictions
+    from vllm_selfspec.sources.step_drafts import StepDrafts
+
+    rng = np.random.default_rng(11)
+    predictions = RequestPredictions(max_tokens=300)
+    live: dict[str, dict] = {}  # each request's prediction, output and reference cursor
+    compared = compactions = 0
+    for step_index in range(400):
+        while len(live) < 6 or rng.random() < 0.1:
+            prediction = rng.integers(0, 6, int(rng.integers(0, 300))).tolist()
+            live[f"r{step_index}-{len(live)}"] = {"prediction": prediction, "output": [], "prompt": 3}
+        for request in live.values():  # (each output follows its prediction, with edits)
+            for _ in range(int(rng.integers(1, 4))):
+                at = len(request["output"])
+                follows = at < len(request["prediction"]) and rng.random() < 0.85
+                request["output"].append(request["prediction"][at] if follows else int(rng.integers(0, 6)))
+        req_ids = list(live)
+        width = max(3 + len(live[r]["output"]) for r in req_ids)
+        token_ids = np.zeros((len(req_ids), width), dtype=np.int32)
+        for i, r in enumerate(req_ids):
+            token_ids[i, 3 : 3 + len(live[r]["output"])] = live[r]["output"]
+        step = SimpleNamespace(
+            prediction=lambda row, limit, req_ids=req_ids: live[req_ids[row]]["prediction"][:limit] or None,
+            token_ids=token_ids,
+            prompt_lengths=lambda at: np.full(len(at), 3, dtype=np.int64),
+            context_lengths=lambda at, req_ids=req_ids: [3 + len(live[req_ids[i]]["output"]) for i in at],
+        )
+        rows = [SimpleNamespace(req_id=r, index=i) for i, r in enumerate(req_ids)]
+        budgets = rng.integers(0, 9, len(rows))
+        drafting = [i for i in range(len(rows)) if budgets[i]]
+        slots = predictions.slots(step, rows, drafting, failed := [])
+        assert not failed
+        predicted = [(i, s) for i, s in zip(drafting, slots) if s >= 0]
+        drafts = StepDrafts.empty(len(rows), 8)
+        at = np.array([i for i, _ in predicted], dtype=np.int64)
+        departures = predictions.follow(
+            step, at, np.array([s for _, s in predicted], dtype=np.int64), budgets[at], drafts, at
+        )
+        for (i, _), departed in zip(predicted, departures.tolist()):
+            request = live[req_ids[i]]
+            cursor = request.setdefault("cursor", PredictionCursor(request["prediction"]))
+            cursor.follow(request["output"])
+            want = cursor.draft(int(budgets[i])).tolist()
+            got = drafts.tokens[i, : drafts.lengths[i]].tolist()
+            assert (got, departed) == (want, cursor.departures)
+            assert drafts.match[i] == (cursor.run if want else 0)
+            compared += len(want) > 0
+        for r in req_ids:  # (requests end)
+            if rng.random() < 0.08 or len(live[r]["output"]) > 400:
+                used = predictions.tokens.used
+                predictions.forget(r)
+                compactions += predictions.tokens.used < used
+                del live[r]
+    assert compared > 1000 and compactions > 0, (compared, compactions)

@@ -58,19 +58,22 @@ def test_plans_replay_as_recorded(recorded, workload, batch):
 
 
 def test_the_plan_and_gains_kernels_compile_once():
-    """Every plan, every step's gains and its lessons call their compiled kernels with the types their
+    """Every plan, every step's gains, predictions and lessons call their compiled kernels with the types their
     warm-ups compiled at the engine's start: a second signature would be compiled in the middle
     of a serving step."""
     from vllm_selfspec.control import acceptance, lookup_plan, request_rates
+    from vllm_selfspec.sources import request_predictions
 
     lookup_plan.warm_up()
     acceptance.warm_up()
+    request_predictions.warm_up()
     for workload in ("lookup", "prediction"):
         replay(workload, 8)
     assert len(lookup_plan.greedy_lookup_plan.signatures) == 1, lookup_plan.greedy_lookup_plan.signatures
     assert len(acceptance._lookup_gains.signatures) == 1, acceptance._lookup_gains.signatures
     assert len(acceptance._sums_in_order.signatures) == 1, acceptance._sums_in_order.signatures
     assert len(request_rates.learn_verified.signatures) == 1, request_rates.learn_verified.signatures
+    assert len(request_predictions.follow_rows.signatures) == 1, request_predictions.follow_rows.signatures
 
 
 def test_the_recording_drafts():

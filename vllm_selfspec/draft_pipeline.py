@@ -22,6 +22,7 @@ from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.scheduler_note import SchedulerNote
 from vllm_selfspec.sources.lookup import warm_up as warm_up_lookup
 from vllm_selfspec.sources.prediction_cursor import warm_up as warm_up_prediction_cursor
+from vllm_selfspec.sources.request_predictions import warm_up as warm_up_request_predictions
 from vllm_selfspec.sources.row_lookup import RowLookup
 from vllm_selfspec.sources.step_drafts import StepDrafts
 
@@ -57,6 +58,7 @@ class DraftPipeline:
         fail_safe.attempt(warm_up_lookup_plan)
         fail_safe.attempt(warm_up_acceptance)
         fail_safe.attempt(warm_up_prediction_cursor)
+        fail_safe.attempt(warm_up_request_predictions)
         if options.lookup:
             fail_safe.attempt(warm_up_lookup)
 

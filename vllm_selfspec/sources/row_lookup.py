@@ -22,60 +22,20 @@ import time
 import numpy as np
 
 from vllm_selfspec.control import DraftSource
+from vllm_selfspec.operations import fail_safe
 from vllm_selfspec.operations.fail_safe import FailSafe, RequestQuarantine, fault_point
 from vllm_selfspec.options import SelfAdmgOptions
 from vllm_selfspec.sources.lookup import (
-    NO_DRAFT,
     UNKNOWN_TENANT,
-    LookupDraft,
     OutputHistory,
     TenantHistories,
     context_drafts,
     lookup_draft,
 )
-from vllm_selfspec.sources.prediction_cursor import PredictionCursor
+from vllm_selfspec.sources.request_predictions import NO_PREDICTION, RequestPredictions
 from vllm_selfspec.sources.step_drafts import Found, StepDrafts
 
 logger = logging.getLogger("vllm.selfspec")
-
-
-class RequestPredictions:
-    """Where each live request's output stands in its own prediction, if it sent one (a
-    `PredictionCursor` per request, made at its first step; None without a prediction)."""
-
-    def __init__(self, options: SelfAdmgOptions):
-        self.options = options
-        self.cursors: dict[str, PredictionCursor | None] = {}
-
-    def draft(self, step, row, budget: int) -> Found:
-        """The row's prediction where its output stands in it (NO_DRAFT without one, or lost)."""
-        if row.req_id not in self.cursors:
-            tokens = step.prediction(row.index, self.options.max_prediction_tokens)
-            self.cursors[row.req_id] = PredictionCursor(tokens) if tokens else None
-        cursor = self.cursors[row.req_id]
-        if cursor is None:
-            return DraftSource.LOOKUP, NO_DRAFT
-        fault_point("lookup", tokens=cursor.tokens)
-        cursor.follow(step.output(row.index))
-        tokens = cursor.draft(budget)
-        # (its run is its match length: how far the output has followed it here)
-        return DraftSource.PREDICTION, LookupDraft(tokens.copy(), match=cursor.run) if len(tokens) else NO_DRAFT
-
-    def stands_alone(self, row, draft: LookupDraft) -> bool:
-        """Whether the row's prediction draft stands without a lookup to compare: one the output
-        has followed since its first token, or for as long as a lookup can match. Otherwise (one
-        built to be left at every fourth token, say) the context's own repeats may draft better,
-        and the longer match drafts."""
-        cursor = self.cursors.get(row.req_id)
-        return bool(len(draft)) and (cursor.departures == 0 or draft.match >= self.options.lookup_max_match)
-
-    def keep_only(self, live_requests) -> None:
-        """Drop the cursors of requests the runner no longer holds, should one never be forgotten."""
-        if len(self.cursors) > 2 * len(live_requests) + 64:
-            self.cursors = {r: c for r, c in self.cursors.items() if r in live_requests}
-
-    def forget(self, req_id: str) -> None:
-        self.cursors.pop(req_id, None)
 
 
 class RowLookup:
@@ -93,7 +53,7 @@ class RowLookup:
         )
         self.quarantine = RequestQuarantine()
         self.tenants: dict[str, bytes | None] = {}  # live requests' salt digests (None: no salt)
-        self.predictions = RequestPredictions(options)
+        self.predictions = RequestPredictions(options.max_prediction_tokens)
         self.seconds = 0.0  # the last `find`'s time and rows looked up, for the lookup gate
         self.batch_failed = False  # whether a batch's lookup at once (`context_drafts`) has raised
         self.rows_looked_up = 0
@@ -125,37 +85,45 @@ class RowLookup:
         """Each row's draft: its prediction's or its best lookup draft if `look_up`, whichever
         matches more (the prediction's on a tie; none where neither offers one or the budget
         is 0). `budgets`: 0 for a row out of quarantine (`allowed`); a row whose lookup raises
-        is quarantined now, and its budget set to 0. Rows whose tenant has no history look up
-        their own context in one compiled call (`lookup.context_drafts`)."""
+        is quarantined now, and its budget set to 0. The rows' predictions are followed in one
+        compiled call (`request_predictions`), and the rows whose tenant has no history look up
+        their own contexts in another (`lookup.context_drafts`)."""
         fault_point("lookup")
         drafts = StepDrafts.empty(len(rows), max(budgets, default=0))
-        failed, tried, own_context = [], 0, []
-        lookup_seconds, self.rows_looked_up = 0.0, 0
-        for i, (row, budget) in enumerate(zip(rows, budgets)):
-            if not budget:
-                continue
-            tried, best = tried + 1, None
-            try:
-                best = self.predictions.draft(step, row, budget)
-                if self.options.lookup and look_up and not self.predictions.stands_alone(row, best[1]):
-                    self.rows_looked_up += 1
-                    pool = self.history.pool(self.tenant(row.req_id)) if self.history is not None else None
-                    if pool is None:
-                        fault_point("lookup", tokens=step.context(row.index))
-                        own_context.append(i)
-                    else:
-                        looked_up_at = time.perf_counter()
-                        best = self._better(best, self._row(step, row, budget, pool))
-                        lookup_seconds += time.perf_counter() - looked_up_at
-            except Exception as err:
-                failed.append((i, row, err))
-            if best is not None and len(best[1]):  # (a row whose lookup raised keeps its prediction's draft)
-                drafts.put(i, best)
+        drafting = [i for i, budget in enumerate(budgets) if budget]
+        failed: list = []  # (index into rows, row, error)
+        stands_alone = self._follow_predictions(step, rows, budgets, drafting, drafts, failed)
+        lookup_seconds, self.rows_looked_up, own_context = 0.0, 0, []
+        if self.options.lookup and look_up:
+            skipped = stands_alone
+            if failed:  # (a row whose prediction raised is not looked up)
+                skipped = skipped.copy()
+                skipped[[i for i, _, _ in failed]] = True
+            looked_up = [i for i in drafting if not skipped[i]]
+            self.rows_looked_up = len(looked_up)
+            if self.history is None and fail_safe.fault_hook is None:
+                own_context = looked_up
+            else:
+                for i in looked_up:
+                    row = rows[i]
+                    try:
+                        pool = self.history.pool(self.tenant(row.req_id)) if self.history is not None else None
+                        if pool is None:
+                            fault_point("lookup", tokens=step.context(row.index))
+                            own_context.append(i)
+                        else:
+                            looked_up_at = time.perf_counter()
+                            found = self._row(step, row, budgets[i], pool)
+                            if self._better(drafts[i], found) is found:
+                                drafts.put(i, found)
+                            lookup_seconds += time.perf_counter() - looked_up_at
+                    except Exception as err:  # (the row keeps its prediction's draft)
+                        failed.append((i, row, err))
         if own_context:
             looked_up_at = time.perf_counter()
             self._look_up_own_contexts(step, rows, budgets, own_context, drafts, failed)
             lookup_seconds += time.perf_counter() - looked_up_at
-        if failed and len(failed) == tried > 1:
+        if failed and len(failed) == len(drafting) > 1:
             raise failed[0][2]
         for i, row, err in failed:
             self.fail_safe.record(err, one_request=True)
@@ -163,6 +131,50 @@ class RowLookup:
             budgets[i] = 0
         self.seconds = lookup_seconds  # what the lookup gate weighs: lookups only, not predictions
         return drafts
+
+    def _follow_predictions(self, step, rows, budgets, drafting: list[int], drafts: StepDrafts, failed: list):
+        """The drafting rows' prediction drafts, into `drafts`, in one call (should it raise,
+        each row alone, so that a fault is blamed on its row): returns, per row, whether its
+        prediction draft stands without a lookup to compare. It does where the output has
+        followed it since its first token, or for as long as a lookup can match. Otherwise (a
+        prediction built to be left at every fourth token, say) the context's own repeats may
+        draft better, and the longer match drafts."""
+        stands_alone = np.zeros(len(rows), dtype=bool)
+        slots = self.predictions.slots(step, rows, drafting, failed)
+        predicted = [(i, slot) for i, slot in zip(drafting, slots) if slot != NO_PREDICTION]
+        if fail_safe.fault_hook is not None:  # (the tests' faults that one request causes)
+            predicted = [(i, slot) for i, slot in predicted if self._hook_passes(step, rows, i, slot, failed)]
+        if not predicted:
+            return stands_alone
+        at = np.array([i for i, _ in predicted], dtype=np.int64)
+        slots = np.array([slot for _, slot in predicted], dtype=np.int64)
+        batch_rows = np.array([rows[i].index for i in at.tolist()], dtype=np.int64)
+        row_budgets = np.array(budgets, dtype=np.int64)[at]
+        try:
+            departures = self.predictions.follow(step, batch_rows, slots, row_budgets, drafts, at)
+        except Exception:
+            departures, kept = np.zeros(len(at), dtype=np.int64), np.ones(len(at), dtype=bool)
+            for j in range(len(at)):
+                one = slice(j, j + 1)
+                try:
+                    departures[j] = self.predictions.follow(
+                        step, batch_rows[one], slots[one], row_budgets[one], drafts, at[one]
+                    )[0]
+                except Exception as err:
+                    failed.append((int(at[j]), rows[at[j]], err))
+                    kept[j] = False
+            at, departures = at[kept], departures[kept]
+        drafted = drafts.lengths[at] > 0
+        stands_alone[at] = drafted & ((departures == 0) | (drafts.match[at] >= self.options.lookup_max_match))
+        return stands_alone
+
+    def _hook_passes(self, step, rows, i: int, slot: int, failed: list) -> bool:
+        try:
+            fault_point("lookup", tokens=self.predictions.tokens_of(slot))
+            return True
+        except Exception as err:
+            failed.append((i, rows[i], err))
+            return False
 
     def _look_up_own_contexts(self, step, rows, budgets, at: list[int], drafts: StepDrafts, failed: list) -> None:
         """The lookup drafts of the rows `at` (by index into `rows`), from their own contexts, in
