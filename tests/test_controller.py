@@ -1287,6 +1287,7 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
 
     from vllm_selfspec.control.learning import StepLessons
     from vllm_selfspec.operations.counters import ProposerCounters
+    from vllm_selfspec.vllm_integration.runner_state import StepRows
 
     controller = trained(t0=0.05, t1=0.0035, self_step=0.02, lookup_rate=0.95, self_rate=0.9, protect_rows=True)
     offers = [RowOffer(f"r{i}", lookup_tokens=4, lookup_probs=(0.999,) * 4) for i in range(2)]
@@ -1305,7 +1306,7 @@ def test_the_ledger_settles_a_step_only_as_it_ran():
         lessons.call_ended()
         lessons.note_step()
         step = SimpleNamespace(
-            rows=rows,
+            rows=StepRows.of(rows),
             shape=lambda: None,
             engine_was_busy=True,
             verified_draft_tokens=lambda req_id: verified,
@@ -1330,6 +1331,7 @@ def test_a_steps_self_drafts_are_learned_with_its_lookup_drafts_in_the_steps_row
 
     from vllm_selfspec.control.learning import StepLessons
     from vllm_selfspec.operations.counters import ProposerCounters
+    from vllm_selfspec.vllm_integration.runner_state import StepRows
 
     from reference import LearningByObjects
 
@@ -1352,7 +1354,7 @@ def test_a_steps_self_drafts_are_learned_with_its_lookup_drafts_in_the_steps_row
     rows = [SimpleNamespace(req_id=r, index=i) for i, r in enumerate(["r2", "r0", "r1", "r3"])]
     accepted = {"r3": 1, "r0": 3, "r1": 0, "r2": 4}
     step = SimpleNamespace(
-        rows=rows,
+        rows=StepRows.of(rows),
         shape=lambda: None,
         engine_was_busy=True,
         verified_draft_tokens=lambda req_id: {"r3": 2, "r0": 4, "r2": 4}.get(req_id, 0),

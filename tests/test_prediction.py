@@ -545,6 +545,7 @@ def test_a_steps_predictions_followed_at_once_are_each_cursor_followed_alone():
     from vllm_selfspec.sources.prediction_cursor import PredictionCursor
     from vllm_selfspec.sources.request_predictions import RequestPredictions
     from vllm_selfspec.sources.step_drafts import StepDrafts
+    from vllm_selfspec.vllm_integration.runner_state import StepRows
 
     rng = np.random.default_rng(11)
     predictions = RequestPredictions(max_tokens=300)
@@ -570,7 +571,7 @@ def test_a_steps_predictions_followed_at_once_are_each_cursor_followed_alone():
             prompt_lengths=lambda at: np.full(len(at), 3, dtype=np.int64),
             context_lengths=lambda at, req_ids=req_ids: [3 + len(live[req_ids[i]]["output"]) for i in at],
         )
-        rows = [SimpleNamespace(req_id=r, index=i) for i, r in enumerate(req_ids)]
+        rows = StepRows.of([SimpleNamespace(req_id=r, index=i) for i, r in enumerate(req_ids)])
         budgets = rng.integers(0, 9, len(rows))
         drafting = [i for i in range(len(rows)) if budgets[i]]
         slots = predictions.slots(step, rows, drafting, failed := [])

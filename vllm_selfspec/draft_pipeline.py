@@ -25,6 +25,7 @@ from vllm_selfspec.sources.prediction_cursor import warm_up as warm_up_predictio
 from vllm_selfspec.sources.request_predictions import warm_up as warm_up_request_predictions
 from vllm_selfspec.sources.row_lookup import RowLookup
 from vllm_selfspec.sources.step_drafts import StepDrafts
+from vllm_selfspec.vllm_integration.runner_state import RequestTable
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class DraftPipeline:
         self.first_tokens = FirstTokenPolicy()
         self.note = SchedulerNote()  # what the scheduler said with the step in progress
         self.look_up = True  # the ranks' agreed decision, for the next step
-        self.request_facts: dict = {}  # per live request (`runner_state.RequestFacts`)
+        self.request_facts = RequestTable()  # per live request
         self.prefix_cache_resets = 0  # as the scheduler's note last counted them
         # (compiled now, at the engine's start, not in its first request's step)
         fail_safe.attempt(warm_up_lookup_plan)
@@ -73,8 +74,7 @@ class DraftPipeline:
         fault_point("update_states")
         self.lookup.admit(note.tenants, live_requests)
         self.controller.acceptance.requests.keep_only(live_requests)
-        if len(self.request_facts) > 2 * len(live_requests) + 64:  # (should a request never be forgotten)
-            self.request_facts = {r: f for r, f in self.request_facts.items() if r in live_requests}
+        self.request_facts.keep_only(live_requests)
 
     def propose(self, step, clock: PartClock, *, probed, warmed_up: bool, draft) -> list[list[int]]:
         """One step's drafts, the proposer's order, every rank alike: tick the fail-safe, the
@@ -153,10 +153,10 @@ class DraftPipeline:
 
     def take_lookup_drafts(self, prepared: PreparedStep, plan: DraftPlan, drafts: list[list[int]]) -> None:
         """The planned part of each row's lookup draft, into `drafts` (by batch row)."""
-        rows, found, lengths = prepared.step.rows, prepared.found, plan.lookup_lengths
+        index, found, lengths = prepared.step.rows.index.tolist(), prepared.found, plan.lookup_lengths
         taken = [i for i, length in enumerate(lengths) if length]
         for i in taken:
-            drafts[rows[i].index] = found.taken(i, lengths[i])
+            drafts[index[i]] = found.taken(i, lengths[i])
         # (what is learned is guarded on its own)
         self.fail_safe.attempt(lambda: self.lessons.lookup_drafts_taken(prepared, taken, [lengths[i] for i in taken]))
 
@@ -165,7 +165,7 @@ class DraftPipeline:
         later requests (`RowLookup.forget`)."""
         # Each clean-up on its own, so that one that raises leaves nothing else behind.
         for clean_up in (
-            lambda: self.request_facts.pop(req_id, None),
+            lambda: self.request_facts.forget(req_id),
             lambda: self.lookup.forget(req_id, request),
             lambda: self.controller.forget(req_id),
         ):

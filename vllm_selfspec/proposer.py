@@ -95,9 +95,9 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         plan = DraftPlan.from_ints(rank0_ints(prepared.plan_ints, self._device), len(prepared.offers))
         # Alike on every rank: the rank-local quarantine is left out here, since rank 0's plan,
         # which every rank follows, already left it out.
-        budgets = [row.draft_budget(self.num_speculative_tokens) if row.may_draft else 0 for row in rows]
-        self_rows = [(row, budget) for row, budget, chosen in zip(rows, budgets, plan.self_rows) if chosen]
-        warm_row = next((row.index for row, budget in zip(rows, budgets) if budget), None) if warm_up else None
+        budgets = rows.budgets(self.num_speculative_tokens).tolist()
+        self_rows = [(rows[i], budget) for i, (budget, chosen) in enumerate(zip(budgets, plan.self_rows)) if chosen]
+        warm_row = next((rows[i].index for i, budget in enumerate(budgets) if budget), None) if warm_up else None
         forwards = warm_row is not None or bool(plan.self_length and self_rows)
         drafts: list[list[int]] = [[] for _ in range(step.num_rows)]
 

@@ -70,7 +70,7 @@ class StepLessons:
         """What verification made of the last call's drafts, learned at once, in the step's row
         order: each row's accepted draft tokens (None: the scheduler cut its draft short or
         withheld it; 0: it drafted nothing)."""
-        index = {row.req_id: row.index for row in step.rows}
+        index = dict(zip(step.rows.req_ids, step.rows.index.tolist()))
         accepted: dict[str, int | None] = dict.fromkeys(index, 0)
         made = self._made()
         if made is None:

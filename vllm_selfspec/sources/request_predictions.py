@@ -61,12 +61,12 @@ class RequestPredictions:
         self.live_tokens = 0  # pooled tokens of live requests (the rest ended)
 
     def slots(self, step, rows, drafting: list[int], failed: list) -> list[int]:
-        """The slots of the rows `drafting` (by index into `rows`), made now for a request seen
+        """The slots of the rows `drafting` (by index into `rows`, `StepRows`), made now for a request seen
         for the first time (`step.prediction`: its prediction's token ids, or None). A row whose
         prediction cannot be read or indexed is appended to `failed` (index, row, error), with
         no slot."""
-        slot_of = self.slot_of
-        slots = [slot_of.get(rows[i].req_id) for i in drafting]
+        slot_of, req_ids = self.slot_of, rows.req_ids
+        slots = [slot_of.get(req_ids[i]) for i in drafting]
         if None in slots:
             for j, i in enumerate(drafting):
                 if slots[j] is None:
@@ -186,6 +186,7 @@ def warm_up() -> None:
     from types import SimpleNamespace
 
     from vllm_selfspec.sources.step_drafts import StepDrafts
+    from vllm_selfspec.vllm_integration.runner_state import StepRows
 
     token_ids = np.array([[5, 1, 2, 3, 4, 0]], dtype=np.int32)
     step = SimpleNamespace(
@@ -195,7 +196,7 @@ def warm_up() -> None:
         context_lengths=lambda rows: [5] * len(rows),
     )
     predictions, drafts = RequestPredictions(16), StepDrafts.empty(1, 2)
-    rows = [SimpleNamespace(req_id="warm-up", index=0)]
+    rows = StepRows.of([SimpleNamespace(req_id="warm-up", index=0)])
     slots = np.array(predictions.slots(step, rows, [0], []), dtype=np.int64)
     one = np.zeros(1, dtype=np.int64)
     predictions.follow(step, one, slots, np.full(1, 2, dtype=np.int64), drafts, one)

@@ -34,6 +34,7 @@ from vllm_selfspec.sources.lookup import (
 )
 from vllm_selfspec.sources.request_predictions import NO_PREDICTION, RequestPredictions
 from vllm_selfspec.sources.step_drafts import Found, StepDrafts
+from vllm_selfspec.vllm_integration.runner_state import StepRows
 
 logger = logging.getLogger("vllm.selfspec")
 
@@ -75,11 +76,13 @@ class RowLookup:
         one blamed (n > 1, or its prompt resent within its tenant)."""
         return self.quarantine.allows(row.req_id, lambda: (self.tenant(row.req_id), step.prompt(row.index)))
 
-    def budgets(self, step, rows, k: int) -> list[int]:
+    def budgets(self, step, rows: StepRows, k: int) -> list[int]:
         """Each row's draft budget of at most k tokens: 0 for a row whose sampling only the plain
         sampler applies, or whose request is in quarantine (none is, mostly: then no row asks)."""
-        nobody = self.quarantine.empty
-        return [row.draft_budget(k) if row.may_draft and (nobody or self.allowed(step, row)) else 0 for row in rows]
+        budgets = rows.budgets(k).tolist()
+        if not self.quarantine.empty:
+            budgets = [budget if budget and self.allowed(step, rows[i]) else 0 for i, budget in enumerate(budgets)]
+        return budgets
 
     def find(self, step, rows, budgets: list[int], look_up: bool) -> StepDrafts:
         """Each row's draft: its prediction's or its best lookup draft if `look_up`, whichever
@@ -89,6 +92,7 @@ class RowLookup:
         compiled call (`request_predictions`), and the rows whose tenant has no history look up
         their own contexts in another (`lookup.context_drafts`)."""
         fault_point("lookup")
+        rows = rows if isinstance(rows, StepRows) else StepRows.of(rows)
         drafts = StepDrafts.empty(len(rows), max(budgets, default=0))
         drafting = [i for i, budget in enumerate(budgets) if budget]
         failed: list = []  # (index into rows, row, error)
@@ -148,7 +152,7 @@ class RowLookup:
             return stands_alone
         at = np.array([i for i, _ in predicted], dtype=np.int64)
         slots = np.array([slot for _, slot in predicted], dtype=np.int64)
-        batch_rows = np.array([rows[i].index for i in at.tolist()], dtype=np.int64)
+        batch_rows = rows.index[at]
         row_budgets = np.array(budgets, dtype=np.int64)[at]
         try:
             departures = self.predictions.follow(step, batch_rows, slots, row_budgets, drafts, at)
@@ -181,7 +185,7 @@ class RowLookup:
         one call (a single row alone), each kept in `drafts` where it matches more than the
         row's prediction. Should the call raise, each row is looked up alone, so that a fault is
         blamed on its row."""
-        indices = [rows[i].index for i in at]
+        indices = rows.index[at].tolist()
         full = [budgets[i] for i in at]
         if len(at) > 1:  # (one row is looked up alone: a call over a batch costs it more than it saves)
             try:

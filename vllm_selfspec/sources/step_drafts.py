@@ -8,7 +8,6 @@ without a draft has length 0."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +74,7 @@ class StepDrafts:
     def offers(self, step, rows, budgets: list[int], probed) -> StepOffers:
         """The rows' offers to the planner: each one's draft, and whether it may self-draft
         (`budgets`; `probed`: the requests whose prompts are measured already)."""
-        req_ids = [row.req_id for row in rows]
+        req_ids = rows.req_ids
         return StepOffers(
             req_ids=req_ids,
             lookup_tokens=self.lengths,
@@ -84,10 +83,10 @@ class StepDrafts:
             has_probs=self.has_probs,
             match=self.match,
             can_self_draft=np.array(budgets, dtype=np.int64) > 0,
-            sampled=np.array([row.sampled for row in rows], dtype=bool),
-            remaining=np.array([math.inf if row.tokens_left is None else row.tokens_left for row in rows], dtype=float),
+            sampled=rows.sampled,
+            remaining=rows.tokens_left,
             has_mask=np.array([r in probed for r in req_ids], dtype=bool) if probed else np.zeros(len(rows), bool),
-            context=np.array(step.context_lengths([row.index for row in rows]), dtype=np.int64),
+            context=np.array(step.context_lengths(rows.index), dtype=np.int64),
         )
 
     def taken(self, row: int, length: int) -> list[int]:

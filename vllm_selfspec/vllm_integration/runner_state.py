@@ -6,6 +6,7 @@ token ids and requests, and the scheduler output of the step that just ran."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -13,8 +14,8 @@ import numpy as np
 
 
 class StepRow(NamedTuple):
-    """A batch row that sampled a token this step (so it may draft). (A tuple: every row of
-    every step makes one.)"""
+    """A batch row that sampled a token this step (so it may draft), alone: `StepRows[i]`, for
+    the paths that go row by row."""
 
     index: int  # row in the runner's input batch
     req_id: str
@@ -26,6 +27,48 @@ class StepRow(NamedTuple):
         """How many of k draft tokens the row can still use: verification emits accepted
         drafts plus one token, so a request with r tokens left can use at most r - 1."""
         return k if self.tokens_left is None else max(0, min(k, self.tokens_left - 1))
+
+
+@dataclass(eq=False)
+class StepRows:
+    """The rows that sampled a token this step (so they may draft), as arrays, a row each: what
+    a step reads of them costs no Python per row past their request ids."""
+
+    index: np.ndarray  # int64: row in the runner's input batch
+    req_ids: list[str]
+    tokens_left: np.ndarray  # float64: before max_tokens (inf: no limit)
+    sampled: np.ndarray  # bool: temperature > 0
+    may_draft: np.ndarray  # bool: False where its sampling is the plain sampler's only (min_p, logit_bias)
+
+    @staticmethod
+    def of(rows) -> StepRows:
+        """Rows given one by one (objects with `StepRow`'s fields; `index` and `req_id` at least)."""
+        left = [getattr(row, "tokens_left", None) for row in rows]
+        return StepRows(
+            index=np.array([row.index for row in rows], dtype=np.int64),
+            req_ids=[row.req_id for row in rows],
+            tokens_left=np.array([math.inf if t is None else t for t in left], dtype=np.float64),
+            sampled=np.array([getattr(row, "sampled", False) for row in rows], dtype=bool),
+            may_draft=np.array([getattr(row, "may_draft", True) for row in rows], dtype=bool),
+        )
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __getitem__(self, i: int) -> StepRow:
+        left = float(self.tokens_left[i])
+        return StepRow(
+            int(self.index[i]), self.req_ids[i], None if math.isinf(left) else int(left),
+            bool(self.sampled[i]), bool(self.may_draft[i]),
+        )  # fmt: skip
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def budgets(self, k: int) -> np.ndarray:
+        """`StepRow.draft_budget` of every row (0 where it may not draft)."""
+        budgets = np.clip(np.minimum(self.tokens_left - 1, k), 0, None).astype(np.int64)
+        return np.where(self.may_draft, budgets, 0)
 
 
 @dataclass(frozen=True)
@@ -60,23 +103,76 @@ class RequestFacts:
         return RequestFacts(params.max_tokens, _samples(params), not needs_plain_sampling(params), stops)
 
 
-class StepView:
-    """`facts`: each live request's `RequestFacts`, kept by the caller from step to step (and
-    dropped when the request ends); those missing are read here."""
+class RequestTable:
+    """Each live request's `RequestFacts`, read at its first step, in slots of arrays, so that a
+    step gathers its rows' facts at once. The caller keeps it from step to step and drops a
+    request when it ends (`forget`)."""
 
-    def __init__(self, runner, scheduler_output, sampled_token_ids: list[list[int]], facts: dict | None = None):
+    def __init__(self):
+        self.slot_of: dict[str, int] = {}
+        self.max_tokens = np.zeros(0)  # float64 (inf: no limit)
+        self.sampled, self.may_draft = np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
+        self.stop_ids: list[frozenset[int]] = []
+        self._free: list[int] = []
+
+    def slots(self, req_ids: list[str], requests) -> np.ndarray:
+        """The requests' slots, their facts read now from `requests` (the runner's) where new."""
+        slot_of = self.slot_of
+        slots = [slot_of.get(r, -1) for r in req_ids]
+        if -1 in slots:
+            slots = [slot_of[r] if r in slot_of else self._admit(r, requests[r].sampling_params) for r in req_ids]
+        return np.array(slots, dtype=np.int64)
+
+    def _admit(self, req_id: str, params) -> int:
+        if not self._free:
+            old, grown = len(self.stop_ids), max(2 * len(self.stop_ids), 16)
+            self.max_tokens = np.concatenate((self.max_tokens, np.zeros(grown - old)))
+            self.sampled = np.concatenate((self.sampled, np.zeros(grown - old, dtype=bool)))
+            self.may_draft = np.concatenate((self.may_draft, np.zeros(grown - old, dtype=bool)))
+            self.stop_ids.extend([frozenset()] * (grown - old))
+            self._free = list(range(grown - 1, old - 1, -1))
+        facts, slot = RequestFacts.of(params), self._free.pop()
+        self.max_tokens[slot] = math.inf if facts.max_tokens is None else facts.max_tokens
+        self.sampled[slot], self.may_draft[slot], self.stop_ids[slot] = facts.sampled, facts.may_draft, facts.stop_ids
+        self.slot_of[req_id] = slot
+        return slot
+
+    def facts(self, req_id: str) -> RequestFacts | None:
+        slot = self.slot_of.get(req_id)
+        if slot is None:
+            return None
+        max_tokens = float(self.max_tokens[slot])
+        return RequestFacts(
+            None if math.isinf(max_tokens) else int(max_tokens),
+            bool(self.sampled[slot]), bool(self.may_draft[slot]), self.stop_ids[slot],
+        )  # fmt: skip
+
+    def forget(self, req_id: str) -> None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def keep_only(self, live_requests) -> None:
+        """Drop the requests the runner no longer holds, should one never be forgotten."""
+        if len(self.slot_of) > 2 * len(live_requests) + 64:
+            for req_id in [r for r in self.slot_of if r not in live_requests]:
+                self.forget(req_id)
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+
+class StepView:
+    """`facts`: each live request's facts (`RequestTable`), kept by the caller from step to step
+    (and dropped when the request ends); those missing are read here."""
+
+    def __init__(self, runner, scheduler_output, sampled_token_ids: list[list[int]], facts: RequestTable | None = None):
         self.runner = runner
         self.batch = runner.input_batch
         self.scheduler_output = scheduler_output
         self.sampled_token_ids = sampled_token_ids
         self.req_ids = self.batch.req_ids
-        self.facts = {} if facts is None else facts
-
-    def facts_of(self, req_id: str) -> RequestFacts:
-        facts = self.facts.get(req_id)
-        if facts is None:
-            facts = self.facts[req_id] = RequestFacts.of(self.runner.requests[req_id].sampling_params)
-        return facts
+        self.facts = RequestTable() if facts is None else facts
 
     @property
     def num_rows(self) -> int:
@@ -100,23 +196,29 @@ class StepView:
     def finishing_rows(self) -> int:
         """Rows whose request ends with this step's tokens: at max_tokens, or on an end-of-sequence
         or stop token among them (stop strings end requests later, in the front end)."""
-        finishing = 0
-        for row in self.rows:
-            ended = row.tokens_left is not None and row.tokens_left <= 0
-            finishing += ended or not self.facts[row.req_id].stop_ids.isdisjoint(self.sampled_token_ids[row.index])
-        return finishing
+        rows, sampled, stop_ids = self.rows, self.sampled_token_ids, self.facts.stop_ids
+        ended = rows.tokens_left <= 0
+        for j, (i, slot) in enumerate(zip(rows.index.tolist(), self._slots.tolist())):
+            ended[j] |= not stop_ids[slot].isdisjoint(sampled[i])
+        return int(ended.sum())
 
     @functools.cached_property
-    def rows(self) -> list[StepRow]:
+    def rows(self) -> StepRows:
         """Rows that sampled a token this step (a partial prefill samples none)."""
-        rows, requests = [], self.runner.requests
-        for i, tokens in enumerate(self.sampled_token_ids):
-            if tokens:
-                req_id = self.req_ids[i]
-                facts = self.facts_of(req_id)
-                left = None if facts.max_tokens is None else facts.max_tokens - len(requests[req_id].output_token_ids)
-                rows.append(StepRow(i, req_id, left, facts.sampled, facts.may_draft))
-        return rows
+        sampled = self.sampled_token_ids
+        index = np.flatnonzero(np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled)))
+        req_ids, requests = [self.req_ids[i] for i in index.tolist()], self.runner.requests
+        slots = self._slots = self.facts.slots(req_ids, requests)
+        emitted = np.fromiter(
+            (len(requests[r].output_token_ids) for r in req_ids), dtype=np.float64, count=len(req_ids)
+        )
+        return StepRows(
+            index,
+            req_ids,
+            self.facts.max_tokens[slots] - emitted,
+            self.facts.sampled[slots],
+            self.facts.may_draft[slots],
+        )
 
     def verified_draft_tokens(self, req_id: str) -> int:
         """Draft tokens this step verified for the request (the scheduler pads a draft it cut
@@ -153,9 +255,9 @@ class StepView:
         return self.batch.num_tokens_no_spec[rows].tolist()
 
     def samples(self, req_id: str) -> bool:
-        facts = self.facts.get(req_id)
-        if facts is not None:
-            return facts.sampled
+        slot = self.facts.slot_of.get(req_id)
+        if slot is not None:
+            return bool(self.facts.sampled[slot])
         request = self.runner.requests.get(req_id)
         return _samples(request.sampling_params if request is not None else None)
 
