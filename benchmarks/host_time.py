@@ -173,7 +173,9 @@ class MockedRunner:
 @dataclass
 class Measured:
     seconds: list[float] = field(default_factory=list)  # per step
-    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROPOSER_PARTS, 0.0))
+    # Per part, its seconds in each step (medians are read: this machine's noise comes in bursts
+    # that a mean takes whole).
+    parts: dict[str, list[float]] = field(default_factory=lambda: {part: [] for part in PROPOSER_PARTS})
     draft_tokens: int = 0
 
 
@@ -216,7 +218,7 @@ def run_ours(
 
     for step_index in range(warm_up + steps):
         output, sampled = runner.step(drafts)
-        parts = measured.parts if step_index >= warm_up else {}
+        parts: dict[str, float] = {}
         start = time.perf_counter()
         pipeline.begin_step(note if step_index == 0 else SchedulerNote(), runner.requests)
         if finishing:
@@ -227,6 +229,8 @@ def run_ours(
         if step_index >= warm_up:
             measured.seconds.append(time.perf_counter() - start)
             measured.draft_tokens += sum(map(len, drafts))
+            for part, seconds in measured.parts.items():
+                seconds.append(parts.get(part, 0.0))
         if plans is not None:
             plans.append({"plan": [int(x) for x in made[0].plan_ints] if made else None, "drafts": drafts})
     return measured
@@ -332,7 +336,7 @@ def result_row(round_: int, workload: str, batch: int, steps: int, ours: Measure
         "batch": batch,
         "ms_per_step": round(1e3 * median, 4),
         "us_per_row": round(1e6 * median / batch, 2),
-        **{f"ms_{part}": round(1e3 * ours.parts[part] / steps, 4) for part in PROPOSER_PARTS},
+        **{f"ms_{part}": round(1e3 * statistics.median(ours.parts[part]), 4) for part in PROPOSER_PARTS},
         "draft_tokens_per_step": round(ours.draft_tokens / steps, 2),
         "pct_of_8b_step": round(100 * median / gpu_step_seconds(batch), 2),
         "ngram_ms_per_step": None if theirs is None else round(1e3 * statistics.median(theirs.seconds), 4),
@@ -366,7 +370,9 @@ def write(rows: list[dict], args) -> None:
                     "ms per step (median of rounds; range)": f"{statistics.median(ms):.3f} ({ms[0]:.3f}-{ms[-1]:.3f})",
                     "us per row": f"{1e3 * statistics.median(ms) / batch:.1f}",
                     "% of an 8B H100 step": f"{100 * statistics.median(ms) / 1e3 / gpu_step_seconds(batch):.1f}",
-                    "largest part": max(PROPOSER_PARTS, key=lambda p: statistics.median(r[f"ms_{p}"] for r in runs)),
+                    "stages, ms a step (" + ", ".join(PROPOSER_PARTS) + ")": ", ".join(
+                        f"{statistics.median(r[f'ms_{p}'] for r in runs):.3f}" for p in PROPOSER_PARTS
+                    ),
                     "draft tokens per step": statistics.median(r["draft_tokens_per_step"] for r in runs),
                     "ngram ms per step": f"{statistics.median(ngram):.3f}" if ngram else "n/a",
                     "ngram draft tokens per step": (

@@ -339,8 +339,9 @@ def test_a_server_engine_withholds_drafts_while_it_admits_a_prompt_and_tells_the
 def test_a_steps_rows_read_at_once_are_each_row_read_alone():
     """`StepView.rows` (the rows' facts gathered from a `RequestTable` kept from step to step)
     against each request's own sampling parameters: the rows that sampled, their tokens left,
-    whether they sample and may draft, and their draft budgets; over steps where requests end
-    and new ones take their slots."""
+    whether they sample and may draft, their draft budgets and how many end with the step (at
+    max_tokens, or on a stop id among its tokens); over steps where requests end and new ones
+    take their slots."""
     import random
 
     from vllm.sampling_params import SamplingParams
@@ -348,31 +349,33 @@ def test_a_steps_rows_read_at_once_are_each_row_read_alone():
     from vllm_selfspec.vllm_integration.runner_state import RequestFacts, RequestTable, StepRow, StepView
 
     rng = random.Random(4)
-    table, live, compared = RequestTable(), {}, 0
+    table, live, compared, ended = RequestTable(), {}, 0, 0
     for step_index in range(60):
         while len(live) < 5 or rng.random() < 0.3:
-            extra = rng.choice([{}, {"temperature": 0.8}, {"min_p": 0.1, "temperature": 0.5}])
+            extra = rng.choice([{}, {"temperature": 0.8}, {"min_p": 0.1, "temperature": 0.5}, {"stop_token_ids": [11]}])
             params = SamplingParams(max_tokens=rng.choice([None, 4, 40]), **extra)
             params.update_from_generation_config({}, eos_token_id=2)
             live[f"r{step_index}-{len(live)}"] = SimpleNamespace(sampling_params=params, output_token_ids=[])
         req_ids = list(live)
         rng.shuffle(req_ids)
-        sampled = [[7] * rng.randint(0, 3) for _ in req_ids]
+        sampled = [[rng.choice([7] * 30 + [2, 11]) for _ in range(rng.randint(0, 3))] for _ in req_ids]
         for req_id, tokens in zip(req_ids, sampled):
             live[req_id].output_token_ids.extend(tokens)
         runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=req_ids), requests=live)
-        rows = StepView(runner, SimpleNamespace(), sampled, table).rows
-        want = []
+        view = StepView(runner, SimpleNamespace(), sampled, table)
+        rows, want, ending = view.rows, [], 0
         for i, (req_id, tokens) in enumerate(zip(req_ids, sampled)):
             facts = RequestFacts.of(live[req_id].sampling_params)
             if tokens:
                 left = None if facts.max_tokens is None else facts.max_tokens - len(live[req_id].output_token_ids)
                 want.append(StepRow(i, req_id, left, facts.sampled, facts.may_draft))
+                ending += (left is not None and left <= 0) or not facts.stop_ids.isdisjoint(tokens)
         assert list(rows) == want
         assert rows.budgets(8).tolist() == [row.draft_budget(8) if row.may_draft else 0 for row in want]
-        compared += len(want)
+        assert view.finishing_rows == ending
+        compared, ended = compared + len(want), ended + ending
         for req_id in req_ids:  # (requests end: their slots are taken again)
             if rng.random() < 0.2:
                 table.forget(req_id)
                 del live[req_id]
-    assert compared > 150 and set(table.slot_of) <= set(live)  # (nothing kept of an ended request)
+    assert compared > 150 and ended > 10 and set(table.slot_of) <= set(live)  # (nothing kept of an ended request)

@@ -6,6 +6,7 @@ token ids and requests, and the scheduler output of the step that just ran."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -114,6 +115,7 @@ class RequestTable:
         self.sampled, self.may_draft = np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
         self.stop_ids: list[frozenset[int]] = []
         self._free: list[int] = []
+        self._every_stop_id: np.ndarray | None = None  # (made when asked, after requests came or went)
 
     def slots(self, req_ids: list[str], requests) -> np.ndarray:
         """The requests' slots, their facts read now from `requests` (the runner's) where new."""
@@ -135,6 +137,7 @@ class RequestTable:
         self.max_tokens[slot] = math.inf if facts.max_tokens is None else facts.max_tokens
         self.sampled[slot], self.may_draft[slot], self.stop_ids[slot] = facts.sampled, facts.may_draft, facts.stop_ids
         self.slot_of[req_id] = slot
+        self._every_stop_id = None
         return slot
 
     def facts(self, req_id: str) -> RequestFacts | None:
@@ -147,10 +150,18 @@ class RequestTable:
             bool(self.sampled[slot]), bool(self.may_draft[slot]), self.stop_ids[slot],
         )  # fmt: skip
 
+    def every_stop_id(self) -> np.ndarray:
+        """Every live request's stop ids, sorted (a row that sampled none of them ends on none)."""
+        if self._every_stop_id is None:
+            ids = set().union(*(self.stop_ids[slot] for slot in self.slot_of.values()))
+            self._every_stop_id = np.array(sorted(t for t in ids if isinstance(t, int)), dtype=np.int64)
+        return self._every_stop_id
+
     def forget(self, req_id: str) -> None:
         slot = self.slot_of.pop(req_id, None)
         if slot is not None:
             self._free.append(slot)
+            self._every_stop_id = None
 
     def keep_only(self, live_requests) -> None:
         """Drop the requests the runner no longer holds, should one never be forgotten."""
@@ -196,17 +207,24 @@ class StepView:
     def finishing_rows(self) -> int:
         """Rows whose request ends with this step's tokens: at max_tokens, or on an end-of-sequence
         or stop token among them (stop strings end requests later, in the front end)."""
-        rows, sampled, stop_ids = self.rows, self.sampled_token_ids, self.facts.stop_ids
-        ended = rows.tokens_left <= 0
-        for j, (i, slot) in enumerate(zip(rows.index.tolist(), self._slots.tolist())):
-            ended[j] |= not stop_ids[slot].isdisjoint(sampled[i])
+        rows, sampled = self.rows, self.sampled_token_ids
+        ended, stops = rows.tokens_left <= 0, self.facts.every_stop_id()
+        if len(stops):  # (only a row that sampled some live request's stop id is read alone)
+            tokens = np.fromiter(itertools.chain.from_iterable(sampled), np.int64, int(self._counts.sum()))
+            hit = np.isin(tokens, stops)
+            if hit.any():
+                owners = np.repeat(np.arange(len(sampled)), self._counts)[hit]
+                stop_ids = self.facts.stop_ids
+                for j in np.flatnonzero(np.isin(rows.index, owners)).tolist():
+                    ended[j] |= not stop_ids[self._slots[j]].isdisjoint(sampled[rows.index[j]])
         return int(ended.sum())
 
     @functools.cached_property
     def rows(self) -> StepRows:
         """Rows that sampled a token this step (a partial prefill samples none)."""
         sampled = self.sampled_token_ids
-        index = np.flatnonzero(np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled)))
+        self._counts = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
+        index = np.flatnonzero(self._counts)
         req_ids, requests = [self.req_ids[i] for i in index.tolist()], self.runner.requests
         slots = self._slots = self.facts.slots(req_ids, requests)
         emitted = np.fromiter(
@@ -237,10 +255,17 @@ class StepView:
         drafts = {r: len(d) for r, d in out.scheduled_spec_decode_tokens.items() if r in out.num_scheduled_tokens}
         draft_tokens = sum(drafts.values())
         # Per scheduled request: its logit rows, whether it samples, and its row in the batch.
-        logits = np.fromiter((1 + drafts.get(r, 0) for r in scheduled), np.int64, len(scheduled))
-        samples = np.fromiter(map(self.samples, scheduled), bool, len(scheduled))
+        logits = np.ones(len(scheduled), dtype=np.int64)
+        if drafts:
+            logits += np.array([drafts.get(r, 0) for r in scheduled], dtype=np.int64)
+        slot_of = self.facts.slot_of
+        slots = [slot_of.get(r, -1) for r in scheduled]
+        if -1 in slots:  # (a request not read yet: one that sampled nothing, a partial prefill)
+            samples = np.array([self.samples(r) for r in scheduled], dtype=bool)
+        else:
+            samples = self.facts.sampled[slots]
         index = self.batch.req_id_to_index
-        at = np.fromiter((index.get(r, -1) for r in scheduled), np.int64, len(scheduled))
+        at = np.array([index.get(r, -1) for r in scheduled], dtype=np.int64)
         held = at >= 0
         context_read = int(logits[held] @ self.batch.num_tokens_no_spec[at[held]].astype(np.int64))
         return StepShape(
