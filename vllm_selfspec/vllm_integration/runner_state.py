@@ -68,7 +68,7 @@ class StepRows:
 
     def budgets(self, k: int) -> np.ndarray:
         """`StepRow.draft_budget` of every row (0 where it may not draft)."""
-        budgets = np.clip(np.minimum(self.tokens_left - 1, k), 0, None).astype(np.int64)
+        budgets = np.maximum(np.minimum(self.tokens_left - 1, k), 0).astype(np.int64)
         return np.where(self.may_draft, budgets, 0)
 
 
@@ -115,7 +115,7 @@ class RequestTable:
         self.sampled, self.may_draft = np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
         self.stop_ids: list[frozenset[int]] = []
         self._free: list[int] = []
-        self._every_stop_id: np.ndarray | None = None  # (made when asked, after requests came or went)
+        self._every_stop_id: frozenset | None = None  # (made when asked, after requests came or went)
 
     def slots(self, req_ids: list[str], requests) -> np.ndarray:
         """The requests' slots, their facts read now from `requests` (the runner's) where new."""
@@ -150,11 +150,10 @@ class RequestTable:
             bool(self.sampled[slot]), bool(self.may_draft[slot]), self.stop_ids[slot],
         )  # fmt: skip
 
-    def every_stop_id(self) -> np.ndarray:
-        """Every live request's stop ids, sorted (a row that sampled none of them ends on none)."""
+    def every_stop_id(self) -> frozenset:
+        """Every live request's stop ids (a row that sampled none of them ends on none)."""
         if self._every_stop_id is None:
-            ids = set().union(*(self.stop_ids[slot] for slot in self.slot_of.values()))
-            self._every_stop_id = np.array(sorted(t for t in ids if isinstance(t, int)), dtype=np.int64)
+            self._every_stop_id = frozenset().union(*(self.stop_ids[slot] for slot in self.slot_of.values()))
         return self._every_stop_id
 
     def forget(self, req_id: str) -> None:
@@ -208,15 +207,12 @@ class StepView:
         """Rows whose request ends with this step's tokens: at max_tokens, or on an end-of-sequence
         or stop token among them (stop strings end requests later, in the front end)."""
         rows, sampled = self.rows, self.sampled_token_ids
-        ended, stops = rows.tokens_left <= 0, self.facts.every_stop_id()
-        if len(stops):  # (only a row that sampled some live request's stop id is read alone)
-            tokens = np.fromiter(itertools.chain.from_iterable(sampled), np.int64, int(self._counts.sum()))
-            hit = np.isin(tokens, stops)
-            if hit.any():
-                owners = np.repeat(np.arange(len(sampled)), self._counts)[hit]
-                stop_ids = self.facts.stop_ids
-                for j in np.flatnonzero(np.isin(rows.index, owners)).tolist():
-                    ended[j] |= not stop_ids[self._slots[j]].isdisjoint(sampled[rows.index[j]])
+        ended = rows.tokens_left <= 0
+        # (only if the step sampled some live request's stop id are the rows read one by one)
+        if not self.facts.every_stop_id().isdisjoint(itertools.chain.from_iterable(sampled)):
+            stop_ids = self.facts.stop_ids
+            for j, (i, slot) in enumerate(zip(rows.index.tolist(), self._slots.tolist())):
+                ended[j] |= not stop_ids[slot].isdisjoint(sampled[i])
         return int(ended.sum())
 
     @functools.cached_property
