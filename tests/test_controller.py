@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer, StepOffers
-from vllm_selfspec.control.acceptance import AcceptanceModel, token_bins
+from vllm_selfspec.control.acceptance import AcceptanceModel, Calibration, token_bins
 from vllm_selfspec.sources.lookup import (
     NO_DRAFT,
     SEPARATOR,
@@ -1363,7 +1363,8 @@ def test_a_steps_self_drafts_are_learned_with_its_lookup_drafts_in_the_steps_row
     lessons.learn(step)
     no_bins = SimpleNamespace(bins=np.zeros(0, dtype=np.int64), priors=np.zeros(0))
     reference.observe("r2", DraftSource.SELF, 4, 4, no_bins, 0.0)
-    reference.observe("r0", DraftSource.LOOKUP, 4, 3, gains.calibration(0, 4), float(sum(gains.estimated[0, :4])))
+    calibration = SimpleNamespace(bins=gains.bins[0, :4], priors=gains.priors[0, :4])
+    reference.observe("r0", DraftSource.LOOKUP, 4, 3, calibration, float(sum(gains.estimated[0, :4])))
     reference.observe("r3", DraftSource.SELF, 2, 1, no_bins, 0.0)
     assert {s: r.rate for s, r in controller.acceptance.rates.items()} == {
         s: r.rate for s, r in reference.rates.items()
@@ -1504,7 +1505,7 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
                 o, scaled=False
             )
             assert not any(planned[n:]) and not any(estimated[n:])
-            calibration, reference = gains.calibration(i, n), acceptance.calibration(o, n)
+            calibration, reference = Calibration(gains.bins[i, :n], gains.priors[i, :n]), acceptance.calibration(o, n)
             assert calibration.bins.tolist() == reference.bins.tolist()
             assert calibration.priors.tolist() == reference.priors.tolist()
             compared += n > 0
@@ -1626,3 +1627,16 @@ def test_the_indexed_give_back_gives_back_what_a_scan_would():
         compared += 1
         given_back += len(scanned)
     assert compared == 3000 and given_back > 3000
+
+
+def test_the_learning_kernels_source_indices_are_the_sources():
+    """`request_rates` cannot import `acceptance` (it imports it): its source indices are
+    written out, and must be `acceptance.SOURCE_INDEX`'s."""
+    from vllm_selfspec.control import request_rates
+    from vllm_selfspec.control.acceptance import LOOKED_UP, SOURCE_INDEX
+
+    assert request_rates.PREDICTION_SOURCE == SOURCE_INDEX[DraftSource.PREDICTION]
+    assert request_rates.SELF_SOURCE == SOURCE_INDEX[DraftSource.SELF]
+    assert request_rates.LOOKED_UP_SOURCES == len(LOOKED_UP) and max(SOURCE_INDEX[s] for s in LOOKED_UP) < len(
+        LOOKED_UP
+    )

@@ -536,8 +536,9 @@ def test_a_steps_predictions_followed_at_once_are_each_cursor_followed_alone():
     """`RequestPredictions` (every live request's cursor in pooled arrays, a step's rows
     followed in one compiled call) against a `PredictionCursor` per request: over random steps
     of requests that come and go (their slots taken again, the pools compacted and grown),
-    outputs that follow, leave and rejoin their predictions, and budgets of 0 to 8, each row's
-    draft, match and departures are the cursor's."""
+    outputs that follow, leave and rejoin their predictions, budgets of 0 to 8, and rows whose
+    place in the batch is not their place in the step (a partial prefill's row samples nothing),
+    each row's draft, match and departures are the cursor's."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -562,16 +563,18 @@ def test_a_steps_predictions_followed_at_once_are_each_cursor_followed_alone():
                 request["output"].append(request["prediction"][at] if follows else int(rng.integers(0, 6)))
         req_ids = list(live)
         width = max(3 + len(live[r]["output"]) for r in req_ids)
-        token_ids = np.zeros((len(req_ids), width), dtype=np.int32)
-        for i, r in enumerate(req_ids):
-            token_ids[i, 3 : 3 + len(live[r]["output"])] = live[r]["output"]
+        batch = rng.permutation(len(req_ids) + 1)  # each row's place in the batch, and one more
+        token_ids = rng.integers(0, 6, (len(req_ids) + 1, width)).astype(np.int32)
+        by_place = {int(b): r for b, r in zip(batch, req_ids)}
+        for b, r in by_place.items():
+            token_ids[b, 3 : 3 + len(live[r]["output"])] = live[r]["output"]
         step = SimpleNamespace(
-            prediction=lambda row, limit, req_ids=req_ids: live[req_ids[row]]["prediction"][:limit] or None,
+            prediction=lambda place, limit, by_place=by_place: live[by_place[place]]["prediction"][:limit] or None,
             token_ids=token_ids,
             prompt_lengths=lambda at: np.full(len(at), 3, dtype=np.int64),
-            context_lengths=lambda at, req_ids=req_ids: [3 + len(live[req_ids[i]]["output"]) for i in at],
+            context_lengths=lambda at, by_place=by_place: [3 + len(live[by_place[b]]["output"]) for b in at],
         )
-        rows = StepRows.of([SimpleNamespace(req_id=r, index=i) for i, r in enumerate(req_ids)])
+        rows = StepRows.of([SimpleNamespace(req_id=r, index=int(b)) for b, r in zip(batch, req_ids)])
         budgets = rng.integers(0, 9, len(rows))
         drafting = [i for i in range(len(rows)) if budgets[i]]
         slots = predictions.slots(step, rows, drafting, failed := [])
@@ -580,7 +583,7 @@ def test_a_steps_predictions_followed_at_once_are_each_cursor_followed_alone():
         drafts = StepDrafts.empty(len(rows), 8)
         at = np.array([i for i, _ in predicted], dtype=np.int64)
         departures = predictions.follow(
-            step, at, np.array([s for _, s in predicted], dtype=np.int64), budgets[at], drafts, at
+            step, rows.index[at], np.array([s for _, s in predicted], dtype=np.int64), budgets[at], drafts, at
         )
         for (i, _), departed in zip(predicted, departures.tolist()):
             request = live[req_ids[i]]
@@ -598,3 +601,43 @@ def test_a_steps_predictions_followed_at_once_are_each_cursor_followed_alone():
                 compactions += predictions.tokens.used < used
                 del live[r]
     assert compared > 1000 and compactions > 0, (compared, compactions)
+
+
+def test_a_fault_in_the_steps_predictions_is_blamed_on_its_row_alone():
+    """Should following a step's predictions at once raise, each row is followed alone: the
+    row whose cursor raises is quarantined and drafts nothing, the others draft as they would
+    have."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_selfspec.operations.fail_safe import FailSafe
+    from vllm_selfspec.options import make_options
+    from vllm_selfspec.sources.row_lookup import RowLookup
+
+    token_ids = np.array([[5, 6, *FILE[:10]]] * 3, dtype=np.int32)
+    step = SimpleNamespace(
+        prediction=lambda row, limit: FILE[:limit],
+        token_ids=token_ids,
+        prompt=lambda row: token_ids[row, :2],
+        prompt_lengths=lambda rows: np.full(len(rows), 2, dtype=np.int64),
+        context_lengths=lambda rows: [12] * len(rows),
+    )
+    rows = [SimpleNamespace(req_id=f"r{i}", index=i) for i in range(3)]
+
+    def found(poisoned: str | None):
+        lookup = RowLookup(make_options({"lookup": False}), FailSafe())
+        follow = lookup.predictions.follow
+
+        def raising(step, batch_rows, slots, *rest):
+            if poisoned is not None and lookup.predictions.slot_of[poisoned] in slots.tolist():
+                raise RuntimeError("a cursor that faults")
+            return follow(step, batch_rows, slots, *rest)
+
+        lookup.predictions.follow = raising
+        drafts = lookup.find(step, rows, [4, 4, 4], look_up=False)
+        return [draft.tokens.tolist() for _, draft in drafts], set(lookup.quarantine.requests)
+
+    clean, quarantined = found(None)
+    assert clean == [FILE[10:14]] * 3 and not quarantined
+    assert found("r1") == ([FILE[10:14], [], FILE[10:14]], {"r1"})

@@ -141,11 +141,6 @@ class StepGains:
         _sums_in_order(self.planned, self.estimated, at, lengths, planned, estimated)
         return planned, estimated
 
-    def calibration(self, row: int, length: int) -> Calibration:
-        """The bins and priors of the row's first `length` lookup tokens (views of the step's
-        arrays, which nothing changes once made)."""
-        return Calibration(self.bins[row, :length], self.priors[row, :length])
-
 
 class Calibration(NamedTuple):
     """A lookup draft's tokens' calibration bins (`bin_id`), and the rate each starts from."""

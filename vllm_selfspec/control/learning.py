@@ -99,9 +99,7 @@ class StepLessons:
         lookup draft."""
         if not self.self_made:
             return self.made
-        req_ids = list(self.self_made)
-        slots = self.controller.acceptance.requests.slots(req_ids)
-        made = DraftsMade.self_drafts(req_ids, slots, list(self.self_made.values()))
+        made = DraftsMade.self_drafts(list(self.self_made), list(self.self_made.values()))
         if self.made is None:
             return made
         kept = [i for i, r in enumerate(self.made.req_ids) if r not in self.self_made]

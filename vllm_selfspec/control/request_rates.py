@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_selfspec.compiled import compiled
+from vllm_selfspec.request_slots import NO_SLOT, RequestSlots, widened
 
 REQUEST_DECAY = 0.95  # a request's own rates follow its last few drafts
 TRUSTED_AFTER_TOKENS = 8  # a request's verified draft tokens (of one source) before its own acceptance counts
@@ -24,51 +25,41 @@ LOOKED_UP_SOURCES = 3  # sources kept per request: lookup, history, prediction (
 MOST_RATE = 0.999  # no rate is taken as certain
 
 
-class RequestRates:
+class RequestRates(RequestSlots):
     """Per request slot and looked-up source: decayed accepted tokens and trials, tokens
     verified, and whether a draft was verified yet (`seen`); per slot, whether some source's
     rate rests on TRUSTED_AFTER_TOKENS verified tokens (`trusted`, which only grows while the
     request lives)."""
 
-    def __init__(self, capacity: int = 64):
-        self.slot_of: dict[str, int] = {}
-        self.accepted = np.zeros((capacity, LOOKED_UP_SOURCES))
-        self.trials = np.zeros((capacity, LOOKED_UP_SOURCES))
-        self.verified = np.zeros((capacity, LOOKED_UP_SOURCES), dtype=np.int64)
-        self.seen = np.zeros((capacity, LOOKED_UP_SOURCES), dtype=bool)
-        self.trusted = np.zeros(capacity, dtype=bool)
-        self._free = list(range(capacity - 1, -1, -1))
+    def __init__(self):
+        super().__init__()
+        self.accepted = np.zeros((0, LOOKED_UP_SOURCES))
+        self.trials = np.zeros((0, LOOKED_UP_SOURCES))
+        self.verified = np.zeros((0, LOOKED_UP_SOURCES), dtype=np.int64)
+        self.seen = np.zeros((0, LOOKED_UP_SOURCES), dtype=bool)
+        self.trusted = np.zeros(0, dtype=bool)
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """Each request's slot, given now to those without one."""
         slot_of = self.slot_of
-        slots = [slot_of.get(r, -1) for r in req_ids]
-        if -1 in slots:
-            slots = [slot_of[r] if r in slot_of else self._give(r) for r in req_ids]  # (a request may repeat)
+        slots = [slot_of.get(r, NO_SLOT) for r in req_ids]
+        if NO_SLOT in slots:
+            slots = [slot_of[r] if r in slot_of else self._take(r) for r in req_ids]  # (a request may repeat)
         return np.array(slots, dtype=np.int64)
 
-    def _give(self, req_id: str) -> int:
-        if not self._free:
-            self._grow()
-        slot = self.slot_of[req_id] = self._free.pop()
-        return slot
+    def _grow(self, old: int) -> None:
+        self.accepted, self.trials = widened(self.accepted, self.capacity), widened(self.trials, self.capacity)
+        self.verified, self.seen = widened(self.verified, self.capacity), widened(self.seen, self.capacity)
+        self.trusted = widened(self.trusted, self.capacity)
 
-    def _grow(self) -> None:
-        old = len(self.trusted)
-
-        def doubled(array: np.ndarray) -> np.ndarray:
-            grown = np.zeros((2 * old, *array.shape[1:]), dtype=array.dtype)
-            grown[:old] = array
-            return grown
-
-        self.accepted, self.trials, self.verified = doubled(self.accepted), doubled(self.trials), doubled(self.verified)
-        self.seen, self.trusted = doubled(self.seen), doubled(self.trusted)
-        self._free.extend(range(2 * old - 1, old - 1, -1))
+    def _freed(self, slot: int) -> None:
+        self.seen[slot] = False
+        self.trusted[slot] = False
 
     def rate(self, req_id: str, source: int) -> float | None:
         """The request's own rate of a looked-up source (None before its first verified draft)."""
         slot = self.slot_of.get(req_id)
-        if slot is None or not self.seen[slot, source]:
+        if slot is None or source >= LOOKED_UP_SOURCES or not self.seen[slot, source]:
             return None
         return min(self.accepted[slot, source] / self.trials[slot, source], MOST_RATE)
 
@@ -82,22 +73,6 @@ class RequestRates:
             own[seen] = np.minimum(self.accepted[slots, sources] / self.trials[slots, sources], MOST_RATE)
         return own / rate
 
-    def forget(self, req_id: str) -> None:
-        slot = self.slot_of.pop(req_id, None)
-        if slot is not None:
-            self.seen[slot] = False
-            self.trusted[slot] = False
-            self._free.append(slot)
-
-    def keep_only(self, live_requests) -> None:
-        """Free the slots of requests the runner no longer holds, should one never be forgotten."""
-        if len(self.slot_of) > 2 * len(live_requests) + 64:
-            for req_id in [r for r in self.slot_of if r not in live_requests]:
-                self.forget(req_id)
-
-    def __len__(self) -> int:
-        return len(self.slot_of)
-
 
 PREDICTION_SOURCE, SELF_SOURCE = 2, 3  # (their indices in `acceptance.SOURCES`)
 
@@ -107,8 +82,8 @@ class DraftsMade:
     """Drafts made in a step, to learn from once verified, as arrays over the drafts: per draft
     its request (id and slot), source (by its index in `acceptance.SOURCES`), length, the lookup
     tokens the planner expected accepted (as it planned, and before its calibration scaled them:
-    what that learns from), and its tokens' calibration bins and priors (drafts x depth, -1
-    past its lookup tokens and for a self-draft's)."""
+    what that learns from), and its tokens' calibration bins and priors (drafts x depth; bins
+    -1 and priors 0 past its lookup tokens and for a self-draft's)."""
 
     req_ids: list[str]
     slots: np.ndarray  # int64
@@ -120,10 +95,12 @@ class DraftsMade:
     priors: np.ndarray  # float64
 
     @staticmethod
-    def self_drafts(req_ids: list[str], slots: np.ndarray, lengths: list[int]) -> DraftsMade:
+    def self_drafts(req_ids: list[str], lengths: list[int]) -> DraftsMade:
+        """Self-drafts (no request slot: nothing of a self-draft is learned per request)."""
         n = len(req_ids)
         return DraftsMade(
-            req_ids, slots, np.full(n, SELF_SOURCE, dtype=np.int64), np.array(lengths, dtype=np.int64),
+            req_ids, np.full(n, NO_SLOT, dtype=np.int64), np.full(n, SELF_SOURCE, dtype=np.int64),
+            np.array(lengths, dtype=np.int64),
             np.zeros(n), np.zeros(n), np.full((n, 1), -1, dtype=np.int64), np.zeros((n, 1)),
         )  # fmt: skip
 
@@ -174,13 +151,21 @@ def learn_verified(
     `overall` (sources x accepted, trials, decay, verified), `calibration` (looked-up sources x
     accepted, expected, decay), the request slots' arrays (`RequestRates`) and every bin's.
     Out: `settled`, each draft's accepted tokens (-1: cut short or withheld, so the step did not
-    run as planned), and `sums` for the counters (their indices above). A bin id outside the
-    bins raises before anything is learned (numba checks no bounds). Few arguments as tuples:
+    run as planned), and `sums` for the counters (their indices above). Indices outside the
+    arrays (numba checks no bounds) raise before anything is learned. No arguments as tuples:
     numba reads a tuple's types in Python at every call."""
+    if priors.shape != bins.shape or not len(order) == len(scheduled) == len(sampled) <= len(settled):
+        raise ValueError("drafts' arrays of different shapes")
     for k in range(bins.shape[0]):
         for j in range(bins.shape[1]):
             if bins[k, j] < -1 or bins[k, j] >= len(bin_rates):
                 raise ValueError("a calibration's bin ids outside the bins")
+    for r in range(len(order)):
+        k = order[r]
+        if not (0 <= k < len(slots) and 0 <= sources[k] < overall.shape[0]):
+            raise ValueError("a draft or its source outside the drafts' arrays")
+        if sources[k] != SELF_SOURCE and not (0 <= slots[k] < len(seen) and sources[k] < calibration.shape[0]):
+            raise ValueError("a looked-up draft's request slot outside the requests' arrays")
     for r in range(len(order)):
         k = order[r]
         s, d = sources[k], min(lengths[k], scheduled[r])
@@ -205,7 +190,7 @@ def learn_verified(
                 calibration[s, 1] = calibration[s, 2] * calibration[s, 1] + estimated[k]
             slot = slots[k]
             if not seen[slot, s]:
-                prior = min(overall[s, 0] / overall[s, 1], 0.999)
+                prior = min(overall[s, 0] / overall[s, 1], MOST_RATE)
                 own_accepted[slot, s], own_trials[slot, s], own_verified[slot, s] = 2 * prior, 2.0, 0
                 seen[slot, s] = True
             own_accepted[slot, s] = request_decay * own_accepted[slot, s] + a
@@ -218,8 +203,8 @@ def learn_verified(
             if b < 0:
                 continue
             if bin_verified[b] == 0:
-                bin_accepted[b], bin_trials[b] = 2 * min(priors[k, j], 0.999), 2.0
+                bin_accepted[b], bin_trials[b] = 2 * min(priors[k, j], MOST_RATE), 2.0
             bin_accepted[b] = bin_decay * bin_accepted[b] + (1.0 if j < a else 0.0)
             bin_trials[b] = bin_decay * bin_trials[b] + 1.0
             bin_verified[b] += 1
-            bin_rates[b] = min(bin_accepted[b] / bin_trials[b], 0.999)
+            bin_rates[b] = min(bin_accepted[b] / bin_trials[b], MOST_RATE)

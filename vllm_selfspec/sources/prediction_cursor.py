@@ -115,6 +115,46 @@ def _rejoin(tail, lost_at, distinct, keys, ends):
     return ends[ahead] if ahead < hi else ends[hi - 1]
 
 
+# Many cursors as arrays (`request_predictions.RequestPredictions`), here beside the cursor they
+# run: numba's cache does not see a change to a function another file's kernel calls.
+# A cursor's segments: where its tokens (and credited flags), its distinct tokens and its
+# index's keys (and ends) start in the pools, and their lengths.
+TOKENS, TOKENS_LEN, DISTINCT, DISTINCT_LEN, KEYS, KEYS_LEN = range(6)
+# A cursor's state: position (-1 where lost), run, lost_at, departures, output tokens followed.
+POSITION, RUN, LOST_AT, DEPARTURES, SEEN = range(5)
+
+
+@compiled
+def follow_rows(
+    slots, rows, token_ids, prompt_lengths, context_lengths, budgets,
+    segments, state, tokens, credited, distinct, keys, ends,
+    at, out_tokens, out_lengths, out_match, out_sources, source, departures,
+):  # fmt: skip
+    """`PredictionCursor.follow` and `draft` for each slot r over its pooled arrays
+    (`RequestPredictions`), along its row's output (`token_ids[rows[r], prompt_lengths[r]:
+    context_lengths[r]]`): its draft of at most `budgets[r]` tokens, where its cursor stands,
+    into the step's drafts at row `at[r]` (tokens, length, its run as the match, `source`), and
+    its departures so far into `departures[r]`."""
+    for r in range(len(slots)):
+        slot = slots[r]
+        t, n, d, m, k, h = segments[slot]
+        seen = state[slot, SEEN]
+        start = max(0, seen - REJOIN_TOKENS + 1)
+        new = token_ids[rows[r], prompt_lengths[r] + start : context_lengths[r]]
+        position, run, lost_at, departed = _follow(
+            tokens[t : t + n], new, seen - start,
+            state[slot, POSITION], state[slot, RUN], state[slot, LOST_AT], state[slot, DEPARTURES],
+            credited[t : t + n], distinct[d : d + m], keys[k : k + h], ends[k : k + h],
+        )  # fmt: skip
+        state[slot, POSITION], state[slot, RUN], state[slot, LOST_AT] = position, run, lost_at
+        state[slot, DEPARTURES], state[slot, SEEN] = departed, start + len(new)
+        departures[r] = departed
+        length = min(budgets[r], n - position, out_tokens.shape[1]) if position >= 0 else 0
+        if length > 0:
+            out_tokens[at[r], :length] = tokens[t + position : t + position + length]
+            out_lengths[at[r]], out_match[at[r]], out_sources[at[r]] = length, run, source
+
+
 def warm_up() -> None:
     """Compile the cursor (or load it from numba's cache) at a process's start, not in a step
     or in the first usage counted."""

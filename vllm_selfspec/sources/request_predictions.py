@@ -17,47 +17,46 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_selfspec.compiled import compiled
 from vllm_selfspec.control.acceptance import SOURCE_INDEX, DraftSource
-from vllm_selfspec.sources.prediction_cursor import REJOIN_TOKENS, PredictionCursor, _follow
+from vllm_selfspec.request_slots import NO_SLOT, RequestSlots, widened
+from vllm_selfspec.sources.prediction_cursor import TOKENS, TOKENS_LEN, PredictionCursor, follow_rows
 
 PREDICTION_SOURCE = SOURCE_INDEX[DraftSource.PREDICTION]
-NO_PREDICTION = -1  # the slot of a request that sent none (or whose prediction was refused)
-# A slot's segments: where its tokens (and credited flags), its distinct tokens and its index's
-# keys (and ends) start in the pools, and their lengths.
-TOKENS, TOKENS_LEN, DISTINCT, DISTINCT_LEN, KEYS, KEYS_LEN = range(6)
-# A slot's cursor: position (-1 where lost), run, lost_at, departures, output tokens followed.
-POSITION, RUN, LOST_AT, DEPARTURES, SEEN = range(5)
+NO_PREDICTION = NO_SLOT  # the slot of a request that sent none (or whose prediction was refused)
 
 
 class _Pool:
-    """A growing array that requests' arrays are appended to."""
+    """Growing arrays that requests' arrays are appended to, side by side at the same offsets
+    (a prediction's tokens and its credited flags; its index's keys and ends): all of them or,
+    should growing fail, none."""
 
-    def __init__(self, dtype):
-        self.array, self.used = np.zeros(256, dtype=dtype), 0
+    def __init__(self, *dtypes):
+        self.arrays, self.used = [np.zeros(256, dtype=dtype) for dtype in dtypes], 0
 
-    def append(self, values: np.ndarray) -> int:
-        start, end = self.used, self.used + len(values)
-        if end > len(self.array):
-            grown = np.zeros(max(2 * len(self.array), end), dtype=self.array.dtype)
-            grown[: self.used] = self.array[: self.used]
-            self.array = grown
-        self.array[start:end], self.used = values, end
+    def append(self, *values: np.ndarray) -> int:
+        start, end = self.used, self.used + len(values[0])
+        if end > len(self.arrays[0]):
+            size = max(2 * len(self.arrays[0]), end)
+            self.arrays = [np.concatenate((a[:start], np.zeros(size - start, dtype=a.dtype))) for a in self.arrays]
+        for array, value in zip(self.arrays, values):
+            array[start:end] = value
+        self.used = end
         return start
 
 
-class RequestPredictions:
+class RequestPredictions(RequestSlots):
+    """Every request seen: the slot of its prediction's arrays and cursor, or NO_PREDICTION."""
+
     def __init__(self, max_tokens: int):
+        super().__init__()
         self.max_tokens = max_tokens  # (`max_prediction_tokens`)
-        self.slot_of: dict[str, int] = {}  # every request seen: its slot, or NO_PREDICTION
-        self._free: list[int] = []
         self.segments = np.zeros((0, 6), dtype=np.int64)
         self.state = np.zeros((0, 5), dtype=np.int64)
         self._new_pools()
 
     def _new_pools(self) -> None:
-        self.tokens, self.credited = _Pool(np.int64), _Pool(np.bool_)
-        self.distinct, self.keys, self.ends = _Pool(np.int64), _Pool(np.int64), _Pool(np.int64)
+        # (tokens with their credited flags, distinct tokens, keys with their ends)
+        self.tokens, self.distinct, self.keys = _Pool(np.int64, np.bool_), _Pool(np.int64), _Pool(np.int64, np.int64)
         self.live_tokens = 0  # pooled tokens of live requests (the rest ended)
 
     def slots(self, step, rows, drafting: list[int], failed: list) -> list[int]:
@@ -83,27 +82,21 @@ class RequestPredictions:
             self.slot_of[row.req_id] = NO_PREDICTION
             return NO_PREDICTION
         cursor = PredictionCursor(tokens)
-        if not self._free:
-            grown = max(2 * len(self.segments), 16)
-            self._free = list(range(grown - 1, len(self.segments) - 1, -1))
-            self.segments = np.concatenate((self.segments, np.zeros((grown - len(self.segments), 6), np.int64)))
-            self.state = np.concatenate((self.state, np.zeros((grown - len(self.state), 5), np.int64)))
-        slot = self.slot_of[row.req_id] = self._free.pop()
-        self.segments[slot] = self._pooled(cursor.tokens, cursor._distinct, cursor._keys, cursor._ends)
-        self.state[slot] = 0
+        credited = np.zeros(len(cursor.tokens), dtype=bool)
+        segments = self._pooled(cursor.tokens, credited, cursor._distinct, cursor._keys, cursor._ends)
+        slot = self._take(row.req_id)
+        self.segments[slot], self.state[slot] = segments, 0
         self.live_tokens += len(cursor.tokens)
         return slot
 
-    def _pooled(self, tokens, distinct, keys, ends) -> tuple[int, ...]:
+    def _pooled(self, tokens, credited, distinct, keys, ends) -> tuple[int, ...]:
         """A request's arrays appended to the pools: its segments."""
-        self.credited.append(np.zeros(len(tokens), dtype=bool))
-        self.ends.append(ends)  # (where its keys lie)
-        start, first_distinct = self.tokens.append(tokens), self.distinct.append(distinct)
-        return start, len(tokens), first_distinct, len(distinct), self.keys.append(keys), len(keys)
+        start, first_distinct = self.tokens.append(tokens, credited), self.distinct.append(distinct)
+        return start, len(tokens), first_distinct, len(distinct), self.keys.append(keys, ends), len(keys)
 
     def tokens_of(self, slot: int) -> np.ndarray:
         start, length = self.segments[slot, TOKENS], self.segments[slot, TOKENS_LEN]
-        return self.tokens.array[start : start + length]
+        return self.tokens.arrays[0][start : start + length]
 
     def follow(self, step, batch_rows: np.ndarray, slots: np.ndarray, budgets: np.ndarray, drafts, at) -> np.ndarray:
         """Move the cursors in `slots` (of batch rows `batch_rows`) along their outputs, and write
@@ -113,71 +106,31 @@ class RequestPredictions:
         follow_rows(
             slots, batch_rows, step.token_ids, step.prompt_lengths(batch_rows),
             np.asarray(step.context_lengths(batch_rows), dtype=np.int64), budgets,
-            self.segments, self.state, self.tokens.array, self.credited.array,
-            self.distinct.array, self.keys.array, self.ends.array,
+            self.segments, self.state, *self.tokens.arrays, *self.distinct.arrays, *self.keys.arrays,
             at, drafts.tokens, drafts.lengths, drafts.match, drafts.sources, PREDICTION_SOURCE, departures,
         )  # fmt: skip
         return departures
 
-    def forget(self, req_id: str) -> None:
-        slot = self.slot_of.pop(req_id, NO_PREDICTION)
-        if slot == NO_PREDICTION:
-            return
+    def _grow(self, old: int) -> None:
+        self.segments, self.state = widened(self.segments, self.capacity), widened(self.state, self.capacity)
+
+    def _freed(self, slot: int) -> None:
         self.live_tokens -= int(self.segments[slot, TOKENS_LEN])
         self.segments[slot] = 0
-        self._free.append(slot)
         if self.tokens.used > 2 * self.live_tokens + 4096:
             self._compact()
 
     def _compact(self) -> None:
         """Pool again only the live requests' arrays (what ended is dropped)."""
-        old, (tokens, credited, distinct, keys, ends) = self.segments.copy(), (
-            self.tokens.array, self.credited.array, self.distinct.array, self.keys.array, self.ends.array,
-        )  # fmt: skip
+        (tokens, credited), (distinct,), (keys, ends) = self.tokens.arrays, self.distinct.arrays, self.keys.arrays
+        old = self.segments.copy()
         self._new_pools()
         for slot in {s for s in self.slot_of.values() if s != NO_PREDICTION}:
             t, n, d, m, k, h = old[slot].tolist()
-            self.segments[slot] = self._pooled(tokens[t : t + n], distinct[d : d + m], keys[k : k + h], ends[k : k + h])
-            start = self.segments[slot, TOKENS]
-            self.credited.array[start : start + n] = credited[t : t + n]
+            self.segments[slot] = self._pooled(
+                tokens[t : t + n], credited[t : t + n], distinct[d : d + m], keys[k : k + h], ends[k : k + h]
+            )
             self.live_tokens += n
-
-    def keep_only(self, live_requests) -> None:
-        """Drop the requests the runner no longer holds, should one never be forgotten."""
-        if len(self.slot_of) > 2 * len(live_requests) + 64:
-            for req_id in [r for r in self.slot_of if r not in live_requests]:
-                self.forget(req_id)
-
-
-@compiled
-def follow_rows(
-    slots, rows, token_ids, prompt_lengths, context_lengths, budgets,
-    segments, state, tokens, credited, distinct, keys, ends,
-    at, out_tokens, out_lengths, out_match, out_sources, source, departures,
-):  # fmt: skip
-    """`PredictionCursor.follow` and `draft` for each slot r over its pooled arrays
-    (`RequestPredictions`), along its row's output (`token_ids[rows[r], prompt_lengths[r]:
-    context_lengths[r]]`): its draft of at most `budgets[r]` tokens, where its cursor stands,
-    into the step's drafts at row `at[r]` (tokens, length, its run as the match, `source`), and
-    its departures so far into `departures[r]`."""
-    for r in range(len(slots)):
-        slot = slots[r]
-        t, n, d, m, k, h = segments[slot]
-        seen = state[slot, SEEN]
-        start = max(0, seen - REJOIN_TOKENS + 1)
-        new = token_ids[rows[r], prompt_lengths[r] + start : context_lengths[r]]
-        position, run, lost_at, departed = _follow(
-            tokens[t : t + n], new, seen - start,
-            state[slot, POSITION], state[slot, RUN], state[slot, LOST_AT], state[slot, DEPARTURES],
-            credited[t : t + n], distinct[d : d + m], keys[k : k + h], ends[k : k + h],
-        )  # fmt: skip
-        state[slot, POSITION], state[slot, RUN], state[slot, LOST_AT] = position, run, lost_at
-        state[slot, DEPARTURES], state[slot, SEEN] = departed, start + len(new)
-        departures[r] = departed
-        length = min(budgets[r], n - position, out_tokens.shape[1]) if position >= 0 else 0
-        if length > 0:
-            out_tokens[at[r], :length] = tokens[t + position : t + position + length]
-            out_lengths[at[r]], out_match[at[r]], out_sources[at[r]] = length, run, source
 
 
 def warm_up() -> None:

@@ -80,8 +80,9 @@ class RowLookup:
         """Each row's draft budget of at most k tokens: 0 for a row whose sampling only the plain
         sampler applies, or whose request is in quarantine (none is, mostly: then no row asks)."""
         budgets = rows.budgets(k).tolist()
-        if not self.quarantine.empty:
-            budgets = [budget if budget and self.allowed(step, rows[i]) else 0 for i, budget in enumerate(budgets)]
+        if not self.quarantine.empty:  # (asked of every row that may draft: a twin is found so)
+            may_draft = rows.may_draft.tolist()
+            budgets = [b if not may_draft[i] or self.allowed(step, rows[i]) else 0 for i, b in enumerate(budgets)]
         return budgets
 
     def find(self, step, rows, budgets: list[int], look_up: bool) -> StepDrafts:
@@ -147,7 +148,7 @@ class RowLookup:
         slots = self.predictions.slots(step, rows, drafting, failed)
         predicted = [(i, slot) for i, slot in zip(drafting, slots) if slot != NO_PREDICTION]
         if fail_safe.fault_hook is not None:  # (the tests' faults that one request causes)
-            predicted = [(i, slot) for i, slot in predicted if self._hook_passes(step, rows, i, slot, failed)]
+            predicted = [(i, slot) for i, slot in predicted if self._hook_passes(rows, i, slot, failed)]
         if not predicted:
             return stands_alone
         at = np.array([i for i, _ in predicted], dtype=np.int64)
@@ -172,7 +173,7 @@ class RowLookup:
         stands_alone[at] = drafted & ((departures == 0) | (drafts.match[at] >= self.options.lookup_max_match))
         return stands_alone
 
-    def _hook_passes(self, step, rows, i: int, slot: int, failed: list) -> bool:
+    def _hook_passes(self, rows, i: int, slot: int, failed: list) -> bool:
         try:
             fault_point("lookup", tokens=self.predictions.tokens_of(slot))
             return True

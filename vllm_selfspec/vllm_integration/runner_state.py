@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from vllm_selfspec.request_slots import NO_SLOT, RequestSlots, widened
+
 
 class StepRow(NamedTuple):
     """A batch row that sampled a token this step (so it may draft), alone: `StepRows[i]`, for
@@ -104,72 +106,46 @@ class RequestFacts:
         return RequestFacts(params.max_tokens, _samples(params), not needs_plain_sampling(params), stops)
 
 
-class RequestTable:
+class RequestTable(RequestSlots):
     """Each live request's `RequestFacts`, read at its first step, in slots of arrays, so that a
     step gathers its rows' facts at once. The caller keeps it from step to step and drops a
     request when it ends (`forget`)."""
 
     def __init__(self):
-        self.slot_of: dict[str, int] = {}
+        super().__init__()
         self.max_tokens = np.zeros(0)  # float64 (inf: no limit)
         self.sampled, self.may_draft = np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
         self.stop_ids: list[frozenset[int]] = []
-        self._free: list[int] = []
         self._every_stop_id: frozenset | None = None  # (made when asked, after requests came or went)
 
     def slots(self, req_ids: list[str], requests) -> np.ndarray:
         """The requests' slots, their facts read now from `requests` (the runner's) where new."""
         slot_of = self.slot_of
-        slots = [slot_of.get(r, -1) for r in req_ids]
-        if -1 in slots:
+        slots = [slot_of.get(r, NO_SLOT) for r in req_ids]
+        if NO_SLOT in slots:
             slots = [slot_of[r] if r in slot_of else self._admit(r, requests[r].sampling_params) for r in req_ids]
         return np.array(slots, dtype=np.int64)
 
     def _admit(self, req_id: str, params) -> int:
-        if not self._free:
-            old, grown = len(self.stop_ids), max(2 * len(self.stop_ids), 16)
-            self.max_tokens = np.concatenate((self.max_tokens, np.zeros(grown - old)))
-            self.sampled = np.concatenate((self.sampled, np.zeros(grown - old, dtype=bool)))
-            self.may_draft = np.concatenate((self.may_draft, np.zeros(grown - old, dtype=bool)))
-            self.stop_ids.extend([frozenset()] * (grown - old))
-            self._free = list(range(grown - 1, old - 1, -1))
-        facts, slot = RequestFacts.of(params), self._free.pop()
+        facts, slot = RequestFacts.of(params), self._take(req_id)
         self.max_tokens[slot] = math.inf if facts.max_tokens is None else facts.max_tokens
         self.sampled[slot], self.may_draft[slot], self.stop_ids[slot] = facts.sampled, facts.may_draft, facts.stop_ids
-        self.slot_of[req_id] = slot
         self._every_stop_id = None
         return slot
 
-    def facts(self, req_id: str) -> RequestFacts | None:
-        slot = self.slot_of.get(req_id)
-        if slot is None:
-            return None
-        max_tokens = float(self.max_tokens[slot])
-        return RequestFacts(
-            None if math.isinf(max_tokens) else int(max_tokens),
-            bool(self.sampled[slot]), bool(self.may_draft[slot]), self.stop_ids[slot],
-        )  # fmt: skip
+    def _grow(self, old: int) -> None:
+        self.max_tokens, self.sampled = widened(self.max_tokens, self.capacity), widened(self.sampled, self.capacity)
+        self.may_draft = widened(self.may_draft, self.capacity)
+        self.stop_ids.extend([frozenset()] * (self.capacity - old))
+
+    def _freed(self, slot: int) -> None:
+        self._every_stop_id = None
 
     def every_stop_id(self) -> frozenset:
         """Every live request's stop ids (a row that sampled none of them ends on none)."""
         if self._every_stop_id is None:
             self._every_stop_id = frozenset().union(*(self.stop_ids[slot] for slot in self.slot_of.values()))
         return self._every_stop_id
-
-    def forget(self, req_id: str) -> None:
-        slot = self.slot_of.pop(req_id, None)
-        if slot is not None:
-            self._free.append(slot)
-            self._every_stop_id = None
-
-    def keep_only(self, live_requests) -> None:
-        """Drop the requests the runner no longer holds, should one never be forgotten."""
-        if len(self.slot_of) > 2 * len(live_requests) + 64:
-            for req_id in [r for r in self.slot_of if r not in live_requests]:
-                self.forget(req_id)
-
-    def __len__(self) -> int:
-        return len(self.slot_of)
 
 
 class StepView:
@@ -219,8 +195,7 @@ class StepView:
     def rows(self) -> StepRows:
         """Rows that sampled a token this step (a partial prefill samples none)."""
         sampled = self.sampled_token_ids
-        self._counts = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
-        index = np.flatnonzero(self._counts)
+        index = np.flatnonzero(np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled)))
         req_ids, requests = [self.req_ids[i] for i in index.tolist()], self.runner.requests
         slots = self._slots = self.facts.slots(req_ids, requests)
         emitted = np.fromiter(
