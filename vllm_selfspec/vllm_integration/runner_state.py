@@ -116,7 +116,9 @@ class RequestTable(RequestSlots):
         self.max_tokens = np.zeros(0)  # float64 (inf: no limit)
         self.sampled, self.may_draft = np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
         self.stop_ids: list[frozenset[int]] = []
-        self._every_stop_id: frozenset | None = None  # (made when asked, after requests came or went)
+        # Every live request's stop ids, each with how many live requests hold it: kept as
+        # requests come and go, at the cost of reading their stop ids once, whatever their number.
+        self.every_stop_id: dict = {}
 
     def slots(self, req_ids: list[str], requests) -> np.ndarray:
         """The requests' slots, their facts read now from `requests` (the runner's) where new."""
@@ -130,7 +132,8 @@ class RequestTable(RequestSlots):
         facts, slot = RequestFacts.of(params), self._take(req_id)
         self.max_tokens[slot] = math.inf if facts.max_tokens is None else facts.max_tokens
         self.sampled[slot], self.may_draft[slot], self.stop_ids[slot] = facts.sampled, facts.may_draft, facts.stop_ids
-        self._every_stop_id = None
+        for stop_id in facts.stop_ids:
+            self.every_stop_id[stop_id] = self.every_stop_id.get(stop_id, 0) + 1
         return slot
 
     def _grow(self, old: int) -> None:
@@ -139,13 +142,11 @@ class RequestTable(RequestSlots):
         self.stop_ids.extend([frozenset()] * (self.capacity - old))
 
     def _freed(self, slot: int) -> None:
-        self._every_stop_id = None
-
-    def every_stop_id(self) -> frozenset:
-        """Every live request's stop ids (a row that sampled none of them ends on none)."""
-        if self._every_stop_id is None:
-            self._every_stop_id = frozenset().union(*(self.stop_ids[slot] for slot in self.slot_of.values()))
-        return self._every_stop_id
+        for stop_id in self.stop_ids[slot]:
+            held = self.every_stop_id.pop(stop_id) - 1
+            if held:
+                self.every_stop_id[stop_id] = held
+        self.stop_ids[slot] = frozenset()
 
 
 class StepView:
@@ -185,7 +186,7 @@ class StepView:
         rows, sampled = self.rows, self.sampled_token_ids
         ended = rows.tokens_left <= 0
         # (only if the step sampled some live request's stop id are the rows read one by one)
-        if not self.facts.every_stop_id().isdisjoint(itertools.chain.from_iterable(sampled)):
+        if not self.facts.every_stop_id.keys().isdisjoint(itertools.chain.from_iterable(sampled)):
             stop_ids = self.facts.stop_ids
             for j, (i, slot) in enumerate(zip(rows.index.tolist(), self._slots.tolist())):
                 ended[j] |= not stop_ids[slot].isdisjoint(sampled[i])
