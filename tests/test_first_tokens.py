@@ -378,6 +378,6 @@ def test_a_steps_rows_read_at_once_are_each_row_read_alone():
             if rng.random() < 0.2:
                 table.forget(req_id)
                 del live[req_id]
-    assert compared > 150 and ended > 10 and set(table.slot_of) <= set(live)
+    assert compared > 150 and ended > 10 and set(table.slot_of) <= set(live)  # (nothing kept of an ended request)
     held = [stop_id for slot in table.slot_of.values() for stop_id in table.stop_ids[slot]]
-    assert table.every_stop_id == {stop_id: held.count(stop_id) for stop_id in set(held)}  # (nothing kept of an ended request)
+    assert table.every_stop_id == {stop_id: held.count(stop_id) for stop_id in set(held)}
