@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_selfspec.control.acceptance import SOURCE_INDEX, DraftSource
+from vllm_selfspec.operations import fail_safe
+from vllm_selfspec.operations.fail_safe import fault_point
 from vllm_selfspec.request_slots import NO_SLOT, RequestSlots, widened
 from vllm_selfspec.sources.prediction_cursor import TOKENS, TOKENS_LEN, PredictionCursor, follow_rows
 
@@ -110,6 +112,49 @@ class RequestPredictions(RequestSlots):
             at, drafts.tokens, drafts.lengths, drafts.match, drafts.sources, PREDICTION_SOURCE, departures,
         )  # fmt: skip
         return departures
+
+    def drafts(self, step, rows, budgets, drafting: list[int], drafts, failed: list, lookup_max_match: int):
+        """The drafting rows' prediction drafts (`drafting`: indices into `rows`, `StepRows`),
+        into the step's `drafts` (`StepDrafts`), in one call (should it raise,
+        each row alone, so that a fault is blamed on its row): returns, per row, whether its
+        prediction draft stands without a lookup to compare. It does where the output has
+        followed it since its first token, or for as long as a lookup can match. Otherwise (a
+        prediction built to be left at every fourth token, say) the context's own repeats may
+        draft better, and the longer match drafts."""
+        stands_alone = np.zeros(len(rows), dtype=bool)
+        slots = self.slots(step, rows, drafting, failed)
+        predicted = [(i, slot) for i, slot in zip(drafting, slots) if slot != NO_PREDICTION]
+        if fail_safe.fault_hook is not None:  # (the tests' faults that one request causes)
+            predicted = [(i, slot) for i, slot in predicted if self._hook_passes(rows, i, slot, failed)]
+        if not predicted:
+            return stands_alone
+        at = np.array([i for i, _ in predicted], dtype=np.int64)
+        slots = np.array([slot for _, slot in predicted], dtype=np.int64)
+        batch_rows = rows.index[at]
+        row_budgets = np.array(budgets, dtype=np.int64)[at]
+        try:
+            departures = self.follow(step, batch_rows, slots, row_budgets, drafts, at)
+        except Exception:
+            departures, kept = np.zeros(len(at), dtype=np.int64), np.ones(len(at), dtype=bool)
+            for j in range(len(at)):
+                one = slice(j, j + 1)
+                try:
+                    departures[j] = self.follow(step, batch_rows[one], slots[one], row_budgets[one], drafts, at[one])[0]
+                except Exception as err:
+                    failed.append((int(at[j]), rows[at[j]], err))
+                    kept[j] = False
+            at, departures = at[kept], departures[kept]
+        drafted = drafts.lengths[at] > 0
+        stands_alone[at] = drafted & ((departures == 0) | (drafts.match[at] >= lookup_max_match))
+        return stands_alone
+
+    def _hook_passes(self, rows, i: int, slot: int, failed: list) -> bool:
+        try:
+            fault_point("lookup", tokens=self.tokens_of(slot))
+            return True
+        except Exception as err:
+            failed.append((i, rows[i], err))
+            return False
 
     def _grow(self, old: int) -> None:
         self.segments, self.state = widened(self.segments, self.capacity), widened(self.state, self.capacity)

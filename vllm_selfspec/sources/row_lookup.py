@@ -32,7 +32,7 @@ from vllm_selfspec.sources.lookup import (
     context_drafts,
     lookup_draft,
 )
-from vllm_selfspec.sources.request_predictions import NO_PREDICTION, RequestPredictions
+from vllm_selfspec.sources.request_predictions import RequestPredictions
 from vllm_selfspec.sources.step_drafts import Found, StepDrafts
 from vllm_selfspec.vllm_integration.runner_state import StepRows
 
@@ -97,7 +97,9 @@ class RowLookup:
         drafts = StepDrafts.empty(len(rows), max(budgets, default=0))
         drafting = [i for i, budget in enumerate(budgets) if budget]
         failed: list = []  # (index into rows, row, error)
-        stands_alone = self._follow_predictions(step, rows, budgets, drafting, drafts, failed)
+        stands_alone = self.predictions.drafts(
+            step, rows, budgets, drafting, drafts, failed, self.options.lookup_max_match
+        )
         lookup_seconds, self.rows_looked_up, own_context = 0.0, 0, []
         if self.options.lookup and look_up:
             skipped = stands_alone
@@ -136,50 +138,6 @@ class RowLookup:
             budgets[i] = 0
         self.seconds = lookup_seconds  # what the lookup gate weighs: lookups only, not predictions
         return drafts
-
-    def _follow_predictions(self, step, rows, budgets, drafting: list[int], drafts: StepDrafts, failed: list):
-        """The drafting rows' prediction drafts, into `drafts`, in one call (should it raise,
-        each row alone, so that a fault is blamed on its row): returns, per row, whether its
-        prediction draft stands without a lookup to compare. It does where the output has
-        followed it since its first token, or for as long as a lookup can match. Otherwise (a
-        prediction built to be left at every fourth token, say) the context's own repeats may
-        draft better, and the longer match drafts."""
-        stands_alone = np.zeros(len(rows), dtype=bool)
-        slots = self.predictions.slots(step, rows, drafting, failed)
-        predicted = [(i, slot) for i, slot in zip(drafting, slots) if slot != NO_PREDICTION]
-        if fail_safe.fault_hook is not None:  # (the tests' faults that one request causes)
-            predicted = [(i, slot) for i, slot in predicted if self._hook_passes(rows, i, slot, failed)]
-        if not predicted:
-            return stands_alone
-        at = np.array([i for i, _ in predicted], dtype=np.int64)
-        slots = np.array([slot for _, slot in predicted], dtype=np.int64)
-        batch_rows = rows.index[at]
-        row_budgets = np.array(budgets, dtype=np.int64)[at]
-        try:
-            departures = self.predictions.follow(step, batch_rows, slots, row_budgets, drafts, at)
-        except Exception:
-            departures, kept = np.zeros(len(at), dtype=np.int64), np.ones(len(at), dtype=bool)
-            for j in range(len(at)):
-                one = slice(j, j + 1)
-                try:
-                    departures[j] = self.predictions.follow(
-                        step, batch_rows[one], slots[one], row_budgets[one], drafts, at[one]
-                    )[0]
-                except Exception as err:
-                    failed.append((int(at[j]), rows[at[j]], err))
-                    kept[j] = False
-            at, departures = at[kept], departures[kept]
-        drafted = drafts.lengths[at] > 0
-        stands_alone[at] = drafted & ((departures == 0) | (drafts.match[at] >= self.options.lookup_max_match))
-        return stands_alone
-
-    def _hook_passes(self, rows, i: int, slot: int, failed: list) -> bool:
-        try:
-            fault_point("lookup", tokens=self.predictions.tokens_of(slot))
-            return True
-        except Exception as err:
-            failed.append((i, rows[i], err))
-            return False
 
     def _look_up_own_contexts(self, step, rows, budgets, at: list[int], drafts: StepDrafts, failed: list) -> None:
         """The lookup drafts of the rows `at` (by index into `rows`), from their own contexts, in
