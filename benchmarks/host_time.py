@@ -15,12 +15,16 @@ would get, whatever this machine's speed. Workloads:
   prediction  the same, each request sending its answer, edited, as OpenAI's `prediction`;
   history     answers copied from earlier outputs, in a --history-token pool shared by
               unsalted requests (`lookup_history_unsalted`), another request's output of 256
-              tokens joining it each step (a busy server's requests ending).
-Needs numpy, numba and scipy, not vLLM: vLLM's `ngram` proposer is run where vLLM is installed,
+              tokens joining it each step (a busy server's requests ending);
+  recorded    real prompts and the model's answers to them (`benchmarks.served_answers`,
+              --answers), B in flight as at a server's capacity: each request that ends
+              gives its place to the next, whose prompt the step prefills.
+Needs numpy and numba, not vLLM: vLLM's `ngram` proposer is run where vLLM is installed,
 or from a copy of its source file (--ngram-source) where it is not, a GPU host say.
 
     .venv/bin/python -m benchmarks.host_time
     .venv/bin/python -m benchmarks.host_time --batches 1 16 --workloads lookup --steps 32
+    .venv/bin/python -m benchmarks.host_time --workloads recorded --answers PATH
 
 Writes table.md, results.csv, host_time.png and environment.json to --out (default: a dated
 folder in the cache, outside the repository).
@@ -30,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,7 +57,7 @@ from vllm_selfspec.scheduler_note import SchedulerNote
 from vllm_selfspec.sources.prediction import PREDICTION_KEY
 from vllm_selfspec.vllm_integration.runner_state import StepView
 
-WORKLOADS = ("nothing", "lookup", "prediction", "history")
+WORKLOADS = ("nothing", "lookup", "prediction", "history", "recorded")
 VOCAB = 32000
 # An H100 step of an 8B model at context 1024 (verify_costs_h100.md): 7.56 ms at batch 16,
 # 9.95 ms at 64; verifying a draft of 4 at batch 16 costs 1.24x.
@@ -103,44 +109,85 @@ def earlier_outputs(tokens: int, seed: int) -> list[np.ndarray]:
     return [rng.integers(1, VOCAB, 256) for _ in range(max(1, tokens // 257))]
 
 
+def recorded_runner(answers: list, batch: int, seed: int) -> MockedRunner:
+    """`batch` requests in flight from recorded answers (`benchmarks.served_answers`), each ended
+    one replaced by the next, the answers taken in turn from a place that `seed` sets."""
+
+    def request(n: int) -> Row:
+        answer = answers[(seed * batch + n) % len(answers)]
+        return Row(f"rec-{seed}-{n}", answer.prompt, answer.output)
+
+    width = max(len(a.prompt) for a in answers) + max(len(a.output) for a in answers) + 1
+    return MockedRunner([request(n) for n in range(batch)], 0, (request(n) for n in itertools.count(batch)), width)
+
+
 class MockedRunner:
     """vLLM 0.32's model runner and scheduler output as `StepView` reads them, over plain arrays:
     the rows decode their answers, emitting in each step the draft tokens the answer bears out
-    and one more (greedy verification)."""
+    and one more (greedy verification). `waiting`: requests that take the place of those whose
+    answer ended (a server at capacity), each one's prompt scheduled in the step it is admitted."""
 
-    def __init__(self, rows: list[Row], max_tokens: int):
-        self.rows = rows
-        n, width = len(rows), max(len(r.prompt) for r in rows) + max_tokens + 1
+    def __init__(self, rows: list[Row], max_tokens: int, waiting: Iterator[Row] | None = None, width: int = 0):
+        self.rows = list(rows)
+        self.waiting = waiting
+        self.max_tokens = max_tokens
+        self.ended: list[tuple[str, object]] = []  # (req_id, request) the last step replaced
+        self.finished: list[tuple[str, object]] = []  # ... and every step before it
+        n = len(rows)
+        width = max(width, max(len(r.prompt) for r in rows) + max_tokens + 1)
         self.input_batch = SimpleNamespace(
             req_ids=[r.req_id for r in rows],
-            req_id_to_index={r.req_id: i for i, r in enumerate(rows)},
+            req_id_to_index={},
             token_ids_cpu=np.zeros((n, width), dtype=np.int32),
             num_tokens_no_spec=np.zeros(n, dtype=np.int32),
-            num_prompt_tokens=np.array([len(r.prompt) for r in rows], dtype=np.int32),
+            num_prompt_tokens=np.zeros(n, dtype=np.int32),
         )
         self.requests = {}
         for i, r in enumerate(rows):
-            self.input_batch.token_ids_cpu[i, : len(r.prompt)] = r.prompt
-            self.input_batch.num_tokens_no_spec[i] = len(r.prompt)
-            params = SimpleNamespace(
-                max_tokens=max_tokens,
-                temperature=0.0,
-                seed=None,
-                min_p=0.0,
-                logit_bias=None,
-                stop=None,
-                stop_token_ids=[],
-                eos_token_id=0,
-                extra_args={PREDICTION_KEY: r.prediction} if r.prediction else None,
-            )
-            self.requests[r.req_id] = SimpleNamespace(
-                sampling_params=params, output_token_ids=[], prompt_token_ids=r.prompt.tolist()
-            )
+            self._admit(i, r)
         self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB)
-        self.first = True
+        self.admitted = list(rows)  # (in the first step's scheduler output)
+
+    def _admit(self, i: int, r: Row) -> None:
+        batch = self.input_batch
+        batch.req_ids[i] = r.req_id
+        batch.req_id_to_index[r.req_id] = i
+        batch.token_ids_cpu[i, : len(r.prompt)] = r.prompt
+        batch.num_tokens_no_spec[i] = batch.num_prompt_tokens[i] = len(r.prompt)
+        params = SimpleNamespace(
+            max_tokens=self.max_tokens if self.waiting is None else len(r.answer),
+            temperature=0.0,
+            seed=None,
+            min_p=0.0,
+            logit_bias=None,
+            stop=None,
+            stop_token_ids=[],
+            eos_token_id=0,
+            extra_args={PREDICTION_KEY: r.prediction} if r.prediction else None,
+        )
+        self.requests[r.req_id] = SimpleNamespace(
+            sampling_params=params, output_token_ids=[], prompt_token_ids=r.prompt.tolist()
+        )
+
+    def _refill(self, drafts: list[list[int]]) -> list[list[int]]:
+        """Rows whose answers ended give their place to waiting requests (none of whose drafts
+        run); the drafts of the rest."""
+        self.ended = []
+        for i, row in enumerate(self.rows):
+            if self.waiting is not None and row.emitted >= len(row.answer):
+                new = next(self.waiting)
+                del self.input_batch.req_id_to_index[row.req_id]
+                self.ended.append((row.req_id, self.requests.pop(row.req_id)))
+                self.finished.append(self.ended[-1])
+                self.rows[i] = new
+                self._admit(i, new)
+                self.admitted.append(new)
+                drafts = [[] if j == i else d for j, d in enumerate(drafts)]
+        return drafts
 
     def step(self, drafts: list[list[int]]) -> tuple[object, list[list[int]]]:
         """Run one step verifying `drafts`: the scheduler output and each row's sampled tokens."""
+        drafts = self._refill(drafts)
         batch, sampled = self.input_batch, []
         for i, (row, draft) in enumerate(zip(self.rows, drafts)):
             truth = row.answer[row.emitted : row.emitted + len(draft) + 1]
@@ -154,20 +201,18 @@ class MockedRunner:
             self.requests[row.req_id].output_token_ids.extend(emitted)
             row.emitted += len(emitted)
             sampled.append(emitted)
-        scheduled = {r.req_id: 1 + len(d) for r, d in zip(self.rows, drafts)}
+        new = {r.req_id for r in self.admitted}
+        scheduled = {r.req_id: len(r.prompt) if r.req_id in new else 1 + len(d) for r, d in zip(self.rows, drafts)}
+        cached = [r for r in scheduled if r not in new]
         output = SimpleNamespace(
-            scheduled_new_reqs=list(self.rows) if self.first else [],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[] if self.first else list(scheduled), resumed_req_ids=set()),
+            scheduled_new_reqs=self.admitted,
+            scheduled_cached_reqs=SimpleNamespace(req_ids=cached, resumed_req_ids=set()),
             total_num_scheduled_tokens=sum(scheduled.values()),
             num_scheduled_tokens=scheduled,
             scheduled_spec_decode_tokens={r.req_id: d for r, d in zip(self.rows, drafts) if d},
         )
-        self.first = False
+        self.admitted = []
         return output, sampled
-
-    @property
-    def answers_left(self) -> int:
-        return min(len(r.answer) - r.emitted for r in self.rows)
 
 
 @dataclass
@@ -205,7 +250,6 @@ def run_ours(
     for output in history or ():
         pipeline.lookup.history.add(None, output)
     measured, drafts = Measured(), [[] for _ in runner.rows]
-    note = SchedulerNote(tenants=tuple((r.req_id, None) for r in runner.rows))
     made: list = []  # this step's PreparedStep, for `plans`
 
     def lookup_drafts(prepared, warm_up: bool) -> list[list[int]]:
@@ -220,7 +264,10 @@ def run_ours(
         output, sampled = runner.step(drafts)
         parts: dict[str, float] = {}
         start = time.perf_counter()
-        pipeline.begin_step(note if step_index == 0 else SchedulerNote(), runner.requests)
+        for req_id, request in runner.ended:  # (vLLM dropped them: what the proposer keeps goes)
+            pipeline.forget(req_id, request)
+        note = SchedulerNote(tenants=tuple((r.req_id, None) for r in output.scheduled_new_reqs))
+        pipeline.begin_step(note, runner.requests)
         if finishing:
             pipeline.lookup.history.add(None, finishing[step_index % len(finishing)])
         step = StepView(runner, output, sampled, pipeline.request_facts)
@@ -273,7 +320,10 @@ def run_ngram(proposer, runner: MockedRunner, *, k: int, steps: int, warm_up: in
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: every one (recorded: with answers)")
+    parser.add_argument(
+        "--answers", type=Path, help="recorded answers (benchmarks.served_answers; default: its default path, if there)"
+    )
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     parser.add_argument("--history-tokens", type=int, default=65536)
@@ -293,6 +343,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
+    answers = recorded_answers(args)
     if args.out is None:
         from benchmarks.output import default_out
 
@@ -300,7 +351,8 @@ def main(argv=None) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
     answer = args.k * (args.warm_up + args.steps) + 64  # (every row still decoding at the last step)
-    ngram = ngram_proposer(args.k, args.context + answer + 1, args.ngram_source)
+    longest = max((len(a.prompt) + len(a.output) + 1 for a in answers or ()), default=0)
+    ngram = ngram_proposer(args.k, max(args.context + answer + 1, longest), args.ngram_source)
     history = earlier_outputs(args.history_tokens, 0)
     pool = np.concatenate([np.append(h, -1) for h in history])
     rows = []
@@ -310,7 +362,7 @@ def main(argv=None) -> Path:
                 options = {"lookup_history_unsalted": True} if workload == "history" else {}
                 made = {"context": args.context, "answer": answer, "history": pool, "seed": round_}
                 run = {"k": args.k, "steps": args.steps, "warm_up": args.warm_up}
-                runner = MockedRunner(make_rows(workload, batch, **made), answer)
+                runner = make_runner(workload, batch, made, answers)
                 earlier = history if workload == "history" else None
                 ours = run_ours(
                     runner,
@@ -320,12 +372,39 @@ def main(argv=None) -> Path:
                     lookup_seconds_per_row=args.lookup_seconds_per_row,
                     **run,
                 )
-                runner = MockedRunner(make_rows(workload, batch, **made), answer)  # (the same rows, anew)
+                runner = make_runner(workload, batch, made, answers)  # (the same rows, anew)
                 theirs = run_ngram(ngram, runner, **run) if ngram is not None else None
                 rows.append(result_row(round_, workload, batch, args.steps, ours, theirs))
                 print(rows[-1], flush=True)
     write(rows, args)
     return args.out
+
+
+def recorded_answers(args) -> list | None:
+    """The recorded answers the `recorded` workload replays (and `args.workloads` set: every
+    workload, `recorded` only if answers are there); an error naming --answers if it needs them."""
+    from benchmarks import served_answers
+
+    path = args.answers
+    if path is None:
+        try:
+            path = served_answers.default_path("smollm2-135m", "chat")
+        except ImportError:  # (the lab's assets need packages a GPU host may lack)
+            path = None
+    found = path is not None and path.exists()
+    if args.workloads is None:
+        args.workloads = [w for w in WORKLOADS if w != "recorded" or found]
+    if "recorded" not in args.workloads:
+        return None
+    if not found:
+        raise SystemExit(f"--workloads recorded needs --answers FILE (benchmarks.served_answers); not found: {path}")
+    return served_answers.load(path)[0]
+
+
+def make_runner(workload: str, batch: int, made: dict, answers: list | None) -> MockedRunner:
+    if workload == "recorded":
+        return recorded_runner(answers, batch, made["seed"])
+    return MockedRunner(make_rows(workload, batch, **made), made["answer"])
 
 
 def result_row(round_: int, workload: str, batch: int, steps: int, ours: Measured, theirs: Measured | None) -> dict:

@@ -1257,8 +1257,8 @@ def test_the_lookup_plan_is_skipped_only_where_the_greedy_would_keep_no_token():
         due = RowDue(
             t_plain,
             t_verify,
-            trusted=[rng.random() < 0.5 for _ in offers],
-            ahead=[rng.choice([-0.002, 0.0, 0.002, 0.004, 0.006, 0.02]) for _ in offers],
+            trusted=np.array([rng.random() < 0.5 for _ in offers], dtype=bool),
+            ahead=np.array([rng.choice([-0.002, 0.0, 0.002, 0.004, 0.006, 0.02]) for _ in offers], dtype=float),
         )
         step = StepOffers.of(offers)
         plan = planner._greedy(step, gain_table(gains), cost, (len(offers), t_plain + t_verify), protected=due)
@@ -1399,8 +1399,8 @@ def test_the_compiled_lookup_plan_is_the_plan_python_makes():
         due = RowDue(
             t_plain,
             t_verify,
-            trusted=[rng.random() < 0.7 for _ in offers],
-            ahead=[rng.choice([-0.002, 0.0, 0.002, 0.004, 0.02]) for _ in offers],
+            trusted=np.array([rng.random() < 0.7 for _ in offers], dtype=bool),
+            ahead=np.array([rng.choice([-0.002, 0.0, 0.002, 0.004, 0.02]) for _ in offers], dtype=float),
         )
         protected = due if rng.random() < 0.8 else None
         max_seconds = rng.choice([math.inf, (t_plain + t_verify) * 1.05])
@@ -1610,8 +1610,8 @@ def test_the_indexed_give_back_gives_back_what_a_scan_would():
         due = RowDue(
             t_plain,
             rng.choice([0.0, 0.004]),
-            trusted=[rng.random() < 0.6 for _ in range(rows)],
-            ahead=[rng.choice([-0.004, 0.0, 0.002, 0.01]) for _ in range(rows)],
+            trusted=np.array([rng.random() < 0.6 for _ in range(rows)], dtype=bool),
+            ahead=np.array([rng.choice([-0.004, 0.0, 0.002, 0.01]) for _ in range(rows)], dtype=float),
         )
         protection = RowProtection(due)
         for token in taken:

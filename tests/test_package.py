@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "vllm_selfspec"
 # What the runtime package imports besides vLLM (whose build comes from the cpu or cuda extra)
 # and the standard library; the import names are the distribution names.
-RUNTIME_REQUIREMENTS = {"torch", "numpy", "numba", "scipy", "prometheus_client"}
+RUNTIME_REQUIREMENTS = {"torch", "numpy", "numba", "prometheus_client"}
 EXTRAS = {"cpu", "cuda", "assets", "bench", "test"}
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 PATCHED_VLLM_VERSION = "0.32.0"

@@ -61,12 +61,13 @@ def test_the_plan_and_gains_kernels_compile_once():
     """Every plan, every step's gains, predictions and lessons call their compiled kernels with the types their
     warm-ups compiled at the engine's start: a second signature would be compiled in the middle
     of a serving step."""
-    from vllm_selfspec.control import acceptance, lookup_plan, request_rates
+    from vllm_selfspec.control import acceptance, cost_fit, lookup_plan, request_rates
     from vllm_selfspec.sources import request_predictions
 
     lookup_plan.warm_up()
     acceptance.warm_up()
     request_predictions.warm_up()
+    cost_fit.warm_up()
     for workload in ("lookup", "prediction"):
         replay(workload, 8)
     assert len(lookup_plan.greedy_lookup_plan.signatures) == 1, lookup_plan.greedy_lookup_plan.signatures
@@ -74,6 +75,7 @@ def test_the_plan_and_gains_kernels_compile_once():
     assert len(acceptance._sums_in_order.signatures) == 1, acceptance._sums_in_order.signatures
     assert len(request_rates.learn_verified.signatures) == 1, request_rates.learn_verified.signatures
     assert len(request_predictions.follow_rows.signatures) == 1, request_predictions.follow_rows.signatures
+    assert len(cost_fit.ridge_nonnegative_fit.signatures) == 1, cost_fit.ridge_nonnegative_fit.signatures
 
 
 def test_the_recording_drafts():

@@ -90,8 +90,8 @@ class RowDue:
 
     t_plain: float
     t_verify: float
-    trusted: list[bool]
-    ahead: list[float]
+    trusted: np.ndarray  # bool
+    ahead: np.ndarray  # float64
 
 
 class RowProtection:
@@ -102,7 +102,8 @@ class RowProtection:
     be refused for the rows whose drafts come later."""
 
     def __init__(self, due: RowDue):
-        self.t_plain, self.t_verify, self.trusted, self.ahead = due.t_plain, due.t_verify, due.trusted, due.ahead
+        self.t_plain, self.t_verify = due.t_plain, due.t_verify
+        self.trusted, self.ahead = due.trusted.tolist(), due.ahead.tolist()  # (read per token)
         self.drafted = [0] * len(due.trusted)  # tokens: exact, where seconds given back leave rounding
         self.own = [0.0] * len(due.trusted)
         self.credited = [0.0] * len(due.trusted)
@@ -351,9 +352,9 @@ class DraftPlanner:
 def row_due(ledger: RowLedger, trusted: np.ndarray, offers: StepOffers, t_plain: float, t_verify: float) -> RowDue:
     """What the per-row rule holds a step's rows to: each row's pace (`ledger`), and whether
     its estimate is `trusted`."""
-    ahead = ledger.ahead(offers.req_ids)
+    ahead = np.array(ledger.ahead(offers.req_ids), dtype=np.float64)
     # A row behind its pace is credited nothing: its estimates have fallen short.
-    return RowDue(t_plain, t_verify, (trusted & (np.array(ahead) >= 0)).tolist(), ahead)
+    return RowDue(t_plain, t_verify, trusted & (ahead >= 0), ahead)
 
 
 def compiled_lookup_choice(offers: StepOffers, gains, cost, start, max_seconds, protected: RowDue | None) -> Choice:
@@ -366,8 +367,8 @@ def compiled_lookup_choice(offers: StepOffers, gains, cost, start, max_seconds, 
             float(protected.t_plain),
             float(protected.t_verify),
             ROW_SLACK,
-            np.array(protected.trusted, float),
-            np.array(protected.ahead, float),
+            protected.trusted.astype(np.float64),
+            protected.ahead,
         )
         if protected
         else NO_DUE
@@ -517,8 +518,8 @@ def every_lookup_token_binds(due: RowDue, offers: StepOffers, cost) -> bool:
     cheapest = np.asarray(cost)[offered].min()
     # A row's allowance before any token is taken (credited and drafting nothing): its slack
     # and what it is ahead.
-    allowed = allowed_without_drafts(due.t_plain, 0.0, np.asarray(due.ahead, dtype=float))
-    blocking = ~np.asarray(due.trusted, dtype=bool) & (allowed < cheapest + np.where(offered, 0.0, due.t_verify))
+    allowed = allowed_without_drafts(due.t_plain, 0.0, due.ahead)
+    blocking = ~due.trusted & (allowed < cheapest + np.where(offered, 0.0, due.t_verify))
     return bool(blocking.sum() >= 2 or (blocking & ~offered).any())
 
 

@@ -24,7 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-import scipy.optimize
+
+from vllm_selfspec.control.cost_fit import ridge_nonnegative_fit
 
 MAX_SHAPES_REMEMBERED = 4096
 
@@ -51,6 +52,11 @@ class LinearCost:
     _fit: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _fit_samples: int = field(default=0, init=False, repr=False, compare=False)
 
+    def __post_init__(self):
+        # (as arrays once: the compiled solve takes no tuples)
+        self._prior_share = np.asarray(self.prior_share, dtype=np.float64)
+        self._ridge = np.asarray(self.ridge, dtype=np.float64)
+
     def observe(self, features, seconds: float) -> None:
         x = np.asarray(features, dtype=np.float64)
         # A lone outlier is a step held up by something else (another process on the cores),
@@ -65,7 +71,11 @@ class LinearCost:
         # The decayed sums of (1, features, seconds) times its transpose: every sum the fit
         # needs (weight, features, seconds and their products) in one update.
         z = np.concatenate(([1.0], x, [seconds]))
-        self._sums = np.outer(z, z) if self._sums is None else self._sums * self.decay + np.outer(z, z)
+        if self._sums is None:
+            self._sums = np.outer(z, z)
+        else:
+            self._sums *= self.decay
+            self._sums += np.outer(z, z)
         self.samples += 1
 
     def coefficients(self) -> tuple[float, np.ndarray]:
@@ -77,22 +87,13 @@ class LinearCost:
         return self._fit
 
     def _solve(self) -> tuple[float, np.ndarray]:
+        """The ridge-regularised fit with non-negative coefficients (`cost_fit`). Dropping every
+        negative coefficient of the free solution at once would drop the wrong ones: one slow
+        step could zero t_new and charge its set-up to verification."""
         if self._sums is None:
             return 0.0, np.zeros(len(self.prior_share))
-        means = self._sums / self._sums[0, 0]
-        mean_x, mean_y = means[0, 1:-1], means[0, -1]
-        cov = means[1:-1, 1:-1] - np.outer(mean_x, mean_x)
-        cross = means[1:-1, -1] - mean_x * mean_y
-        share = np.asarray(self.prior_share)
-        prior = share * mean_y / (1 + share @ mean_x)
-        strength = np.asarray(self.ridge) * (np.diag(cov) + 1e-6 * (mean_x**2 + 1))
-        # The ridge-regularised normal equations, solved with non-negative coefficients: as least
-        # squares ||A c - b|| with A'A = cov + ridge and A'b = cross + ridge * prior. Dropping
-        # every negative coefficient of the free solution at once drops the wrong ones: one slow
-        # step could zero t_new and charge its set-up to verification.
-        lower = np.linalg.cholesky(cov + np.diag(strength))
-        coef, _ = scipy.optimize.nnls(lower.T, np.linalg.solve(lower, cross + strength * prior))
-        return max(mean_y - float(mean_x @ coef), 0.0), coef
+        intercept, coef = ridge_nonnegative_fit(self._sums, self._prior_share, self._ridge)
+        return float(intercept), coef
 
     def predict(self, features) -> float:
         intercept, coef = self.coefficients()

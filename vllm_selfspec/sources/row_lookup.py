@@ -108,7 +108,8 @@ class RowLookup:
                 skipped[[i for i, _, _ in failed]] = True
             looked_up = [i for i in drafting if not skipped[i]]
             self.rows_looked_up = len(looked_up)
-            if self.history is None and fail_safe.fault_hook is None:
+            # (no tenant has a pool yet, mostly: then every row looks up its own context)
+            if (self.history is None or not self.history.tenants) and fail_safe.fault_hook is None:
                 own_context = looked_up
             else:
                 for i in looked_up:

@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""The host-time benchmark's recorded workload: answers recorded from a model
+(`benchmarks.served_answers`) replayed as a server at capacity runs them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks import served_answers
+from benchmarks.host_time import recorded_runner, run_ours
+from benchmarks.served_answers import Answer
+
+
+def copying_answers(count: int) -> list[Answer]:
+    """Answers of different lengths that copy a span of their prompts, so lookup drafts them."""
+    return [Answer(np.arange(1, 60) + i, np.tile(np.arange(10, 18) + i, 2 + i)) for i in range(count)]
+
+
+def test_recorded_answers_keep_their_tokens(tmp_path):
+    answers = copying_answers(3) + [Answer(np.array([7]), np.array([], dtype=np.int64))]
+    path = tmp_path / "answers.npz"
+    served_answers.save(path, answers, {"model": "none"})
+    loaded, about = served_answers.load(path)
+    assert about == {"model": "none"}
+    assert len(loaded) == 3  # (an empty answer is no request to replay)
+    for got, want in zip(loaded, answers):
+        assert got.prompt.tolist() == want.prompt.tolist() and got.output.tolist() == want.output.tolist()
+
+
+def test_a_replay_emits_every_answer_and_refills_each_ended_row():
+    answers = copying_answers(4)
+    runner = recorded_runner(answers, batch=2, seed=0)
+    measured = run_ours(runner, k=8, steps=40, warm_up=0, options={}, history=None, lookup_seconds_per_row=5e-6)
+    assert len(runner.finished) >= 4  # every answer ended at least once, and its row was refilled
+    for n, (req_id, request) in enumerate(sorted(runner.finished, key=lambda f: int(f[0].rsplit("-", 1)[1]))):
+        assert req_id == f"rec-0-{n}"
+        assert request.output_token_ids == answers[n % len(answers)].output.tolist()
+    assert len(set(runner.input_batch.req_ids)) == 2
+    assert measured.draft_tokens > 0  # (the answers copy their prompts: the replay drafts)
+
+
+def test_the_pipeline_forgets_the_requests_a_replay_ends(monkeypatch):
+    """What the proposer keeps per request is dropped when the runner drops the request: the
+    replay forgets them as vLLM's runner does, so its steps cost what a long-running server's do."""
+    from vllm_selfspec.draft_pipeline import DraftPipeline
+
+    held = []  # at each forget: the requests whose facts the pipeline holds
+    original = DraftPipeline.forget
+
+    def forget(self, req_id, request=None):
+        held.append(len(self.request_facts.slot_of))
+        original(self, req_id, request)
+
+    monkeypatch.setattr(DraftPipeline, "forget", forget)
+    runner = recorded_runner(copying_answers(3), batch=2, seed=1)
+    run_ours(runner, k=4, steps=60, warm_up=0, options={}, history=None, lookup_seconds_per_row=5e-6)
+    assert len(held) == len(runner.finished) >= 3
+    assert max(held) <= 2  # (never more than the rows in flight)
