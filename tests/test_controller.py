@@ -837,6 +837,20 @@ def test_a_last_row_without_lookup_self_drafts_when_that_brings_the_end_nearer()
     assert all(p.self_length == 0 and p.lookup_lengths == [0, 0] for p in plans)  # nor retried
 
 
+def test_a_draining_batch_prices_the_probe_a_new_row_needs_before_it_self_drafts():
+    """A row whose prompt is not probed yet pays a probe (a few target steps) before its first
+    self-draft: the batch's end brought a step nearer does not pay for that, and a probed row's
+    self-draft still does."""
+    controller = trained(t0=0.28, t1=0.0088, self_step=0.05, lookup_rate=0.99, self_rate=0.95)
+    new = closed(lookup_rows(4) + self_rows(1), [30, 30])
+    assert controller.plan(new, self_budget=4, draining=True).self_length > 0  # (no probe timed yet: free)
+    controller.observe_probe(1, 0.9)
+    plan = controller.plan(new, self_budget=4, draining=True)  # (a retry, a back-off later, may still probe it)
+    assert plan.self_length == 0 and not any(plan.self_rows) and not plan.explored
+    probed = [new[0], dataclasses.replace(new[1], has_mask=True)]
+    assert controller.plan(probed, self_budget=4, draining=True).self_length > 0
+
+
 def test_one_row_drafts_alike_draining_or_not():
     controller = trained(t0=0.25, t1=0.01, self_step=0.05, lookup_rate=0.7, self_rate=0.9)
     for offers in (closed(lookup_rows(4), [30]), closed(self_rows(1), [30])):

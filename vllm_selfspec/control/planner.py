@@ -594,7 +594,8 @@ class GiveBack:
 def draining_choice(offers, gains, cost, step, self_budget, a_self: float, costs: StepCostModel) -> Choice:
     """The plan that brings a draining batch's end nearest, net of what it costs (module
     docstring): every row drafts to a common finish line r steps nearer, lookup where its
-    draft is long enough, else self-draft; the best r, or no draft."""
+    draft is long enough, else self-draft (a row not probed yet paying its probe first); the
+    best r, or no draft."""
     left = [o.tokens_left for o in offers]
     # Tokens ahead of the last rows (rows without a limit are level with each other).
     lead = [0 if r == max(left) else max(left) - r for r in left]
@@ -624,6 +625,8 @@ def draining_choice(offers, gains, cost, step, self_budget, a_self: float, costs
         spent = (
             t_verify + sum(c * n for c, n in zip(cost, need)) + self_length * costs.self_step_seconds(len(self_rows))
         )
+        if probes := sum(not offers[i].has_mask for i in self_rows):  # (a few target steps each)
+            spent += probes * (costs.probe_seconds or 0.0)
         if saved - spent > best_net:
             best_net, best = saved - spent, Choice(lengths, self_length, self_rows)
     return best
