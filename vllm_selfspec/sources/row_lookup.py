@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from vllm_selfspec.control import DraftSource
+from vllm_selfspec.control.acceptance import SOURCE_INDEX
 from vllm_selfspec.operations import fail_safe
 from vllm_selfspec.operations.fail_safe import FailSafe, RequestQuarantine, fault_point
 from vllm_selfspec.options import SelfAdmgOptions
@@ -149,13 +150,16 @@ class RowLookup:
         full = [budgets[i] for i in at]
         if len(at) > 1:  # (one row is looked up alone: a call over a batch costs it more than it saves)
             try:
-                found = context_drafts(
+                context_drafts(
                     step.token_ids,
                     indices,
                     step.context_lengths(indices),
                     [self.options.uncopied_budget(b) for b in full],
                     full_budgets=full,
                     max_match=self.options.lookup_max_match,
+                    into=drafts,
+                    at=at,
+                    source=SOURCE_INDEX[DraftSource.LOOKUP],
                 )
             except Exception as err:
                 # (visible once: each row alone still drafts, but the step pays for both)
@@ -167,16 +171,6 @@ class RowLookup:
                 )
                 self.batch_failed = True
             else:
-                at = np.array(at)
-                better = (found.lengths > 0) & ((drafts.lengths[at] == 0) | (found.match > drafts.match[at]))
-                drafts.put_rows(
-                    at[better],
-                    tokens=found.tokens[better],
-                    probs=found.probs[better],
-                    lengths=found.lengths[better],
-                    match=found.match[better],
-                    source=DraftSource.LOOKUP,
-                )
                 return
         for i, budget in zip(at, full):
             try:

@@ -49,14 +49,6 @@ class StepDrafts:
         if draft.probs:  # (else unread: `has_probs` says so)
             self.probs[row, :n] = draft.probs
 
-    def put_rows(self, rows: np.ndarray, *, tokens, probs, lengths, match, source: DraftSource) -> None:
-        """Drafts with probabilities of several rows at once (`tokens` and `probs`: a row each,
-        at most as wide as these)."""
-        width = tokens.shape[1]
-        self.tokens[rows, :width], self.probs[rows, :width] = tokens, probs
-        self.lengths[rows], self.match[rows] = lengths, match
-        self.sources[rows], self.has_probs[rows] = SOURCE_INDEX[source], True
-
     def __len__(self) -> int:
         return len(self.lengths)
 
