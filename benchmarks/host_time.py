@@ -111,14 +111,22 @@ def earlier_outputs(tokens: int, seed: int) -> list[np.ndarray]:
 
 def recorded_runner(answers: list, batch: int, seed: int) -> MockedRunner:
     """`batch` requests in flight from recorded answers (`benchmarks.served_answers`), each ended
-    one replaced by the next, the answers taken in turn from a place that `seed` sets."""
+    one replaced by the next, in an order that `seed` shuffles. The first `batch` are caught at
+    random points of their answers, as a server at capacity holds its requests, not all at their
+    first token (with more rows than answers, an answer is in flight more than once, at other
+    points)."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(answers))
 
     def request(n: int) -> Row:
-        answer = answers[(seed * batch + n) % len(answers)]
+        answer = answers[order[n % len(answers)]]
         return Row(f"rec-{seed}-{n}", answer.prompt, answer.output)
 
+    running = [request(n) for n in range(batch)]
+    for row in running:
+        row.emitted = int(rng.integers(0, len(row.answer)))
     width = max(len(a.prompt) for a in answers) + max(len(a.output) for a in answers) + 1
-    return MockedRunner([request(n) for n in range(batch)], 0, (request(n) for n in itertools.count(batch)), width)
+    return MockedRunner(running, 0, (request(n) for n in itertools.count(batch)), width)
 
 
 class MockedRunner:
@@ -152,8 +160,12 @@ class MockedRunner:
         batch = self.input_batch
         batch.req_ids[i] = r.req_id
         batch.req_id_to_index[r.req_id] = i
+        # (a request caught mid-answer holds what it emitted so far: `Row.emitted`)
+        emitted = r.answer[: r.emitted]
         batch.token_ids_cpu[i, : len(r.prompt)] = r.prompt
-        batch.num_tokens_no_spec[i] = batch.num_prompt_tokens[i] = len(r.prompt)
+        batch.token_ids_cpu[i, len(r.prompt) : len(r.prompt) + len(emitted)] = emitted
+        batch.num_prompt_tokens[i] = len(r.prompt)
+        batch.num_tokens_no_spec[i] = len(r.prompt) + len(emitted)
         params = SimpleNamespace(
             max_tokens=self.max_tokens if self.waiting is None else len(r.answer),
             temperature=0.0,
@@ -166,7 +178,7 @@ class MockedRunner:
             extra_args={PREDICTION_KEY: r.prediction} if r.prediction else None,
         )
         self.requests[r.req_id] = SimpleNamespace(
-            sampling_params=params, output_token_ids=[], prompt_token_ids=r.prompt.tolist()
+            sampling_params=params, output_token_ids=emitted.tolist(), prompt_token_ids=r.prompt.tolist()
         )
 
     def _refill(self, drafts: list[list[int]]) -> list[list[int]]:
@@ -222,6 +234,7 @@ class Measured:
     # that a mean takes whole).
     parts: dict[str, list[float]] = field(default_factory=lambda: {part: [] for part in PROPOSER_PARTS})
     draft_tokens: int = 0
+    requests_ended: int = 0  # and replaced by waiting ones (the recorded workload)
 
 
 def run_ours(
@@ -276,6 +289,7 @@ def run_ours(
         if step_index >= warm_up:
             measured.seconds.append(time.perf_counter() - start)
             measured.draft_tokens += sum(map(len, drafts))
+            measured.requests_ended += len(runner.ended)
             for part, seconds in measured.parts.items():
                 seconds.append(parts.get(part, 0.0))
         if plans is not None:
@@ -417,6 +431,7 @@ def result_row(round_: int, workload: str, batch: int, steps: int, ours: Measure
         "us_per_row": round(1e6 * median / batch, 2),
         **{f"ms_{part}": round(1e3 * statistics.median(ours.parts[part]), 4) for part in PROPOSER_PARTS},
         "draft_tokens_per_step": round(ours.draft_tokens / steps, 2),
+        "requests_ended": ours.requests_ended,
         "pct_of_8b_step": round(100 * median / gpu_step_seconds(batch), 2),
         "ngram_ms_per_step": None if theirs is None else round(1e3 * statistics.median(theirs.seconds), 4),
         "ngram_draft_tokens_per_step": None if theirs is None else round(theirs.draft_tokens / steps, 2),

@@ -109,6 +109,20 @@ def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
         context_drafts(np.zeros((2, 4), dtype=np.int32), [2], [4], [1])
 
 
+def test_own_context_drafts_written_into_a_steps_drafts_check_every_index_before_writing():
+    from vllm_selfspec.sources.step_drafts import StepDrafts
+
+    token_ids = np.tile(np.array([5, 6, 7, 5, 6, 7, 5, 6], dtype=np.int32), (2, 1))  # (both rows copy)
+    drafts = StepDrafts.empty(3, 4)
+    context_drafts(token_ids, [0, 1], [8, 8], [4, 4], into=drafts, at=np.array([0, 2]))
+    assert drafts.lengths.tolist()[0] > 0 and drafts.lengths[1] == 0 and drafts.lengths[2] > 0
+    fresh = StepDrafts.empty(3, 4)
+    for rows, at in (([0, 1], [0, 3]), ([0, 2], [0, 1])):  # (a draft row, then a batch row, outside)
+        with pytest.raises(IndexError):
+            context_drafts(token_ids, rows, [8, 8], [4, 4], into=fresh, at=np.array(at))
+        assert not fresh.lengths.any() and not fresh.tokens.any()  # (nothing written, not even the first row)
+
+
 def test_lookup_work_is_bounded_by_its_caps_whatever_the_context():
     """A hostile context (one token repeated, as long as a model serves) is followed through at
     most MAX_OCCURRENCES_FOLLOWED occurrences, the same draft as a context just long enough to

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from vllm_selfspec.control.cost_fit import nonnegative_normal_solve, ridge_nonnegative_fit
+from vllm_selfspec.control.cost_fit import nonnegative_normal_solve
 from vllm_selfspec.control.step_costs import LinearCost, self_step_cost, target_step_cost
 
 
@@ -64,8 +64,16 @@ def test_the_solve_keeps_coefficients_non_negative_where_the_free_solution_does_
     np.testing.assert_allclose(nonnegative_normal_solve(normal, right), [0.0, 0.5])
     np.testing.assert_allclose(nonnegative_normal_solve(normal, np.array([3.0, 3.0])), [1.0, 1.0])
     assert not nonnegative_normal_solve(normal, np.array([-1.0, -1.0])).any()
+    # A coordinate that entered first and must leave: (0, 0.8), then both free would be (7, -2),
+    # so the step stops where the second reaches 0, and the first alone gives (3, 0).
+    coupled = np.array([[1.0, 2.0], [2.0, 5.0]])
+    np.testing.assert_allclose(nonnegative_normal_solve(coupled, np.array([3.0, 4.0])), [3.0, 0.0], atol=1e-12)
 
 
-def test_an_empty_fit():
-    intercept, coef = ridge_nonnegative_fit(np.eye(3), np.zeros(1), np.ones(1))
-    assert intercept == 0.0 and coef.tolist() == [0.0]
+def test_an_exact_line_is_fitted():
+    """Steps whose seconds are 2 + 0.5 per row: the fit finds both, up to its light ridge."""
+    cost = self_step_cost()
+    for rows in (1, 2, 4, 8, 16) * 4:
+        cost.observe((rows,), 2.0 + 0.5 * rows)
+    intercept, (per_row,) = cost._solve()
+    assert intercept == pytest.approx(2.0, rel=1e-2) and per_row == pytest.approx(0.5, rel=1e-2)

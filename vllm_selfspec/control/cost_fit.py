@@ -6,9 +6,8 @@ their transpose.
 
 It is solved on its normal equations by the active-set method of Lawson and Hanson: the same
 minimum as `scipy.optimize.nnls` over the Cholesky factors, found in one call on a few features.
-In a serving worker, numpy's and SciPy's small linear-algebra calls cost far more than on an
-idle host (measured in tens to hundreds of microseconds each), and a settled fit is solved every
-few steps, on the step's critical path.
+A settled fit is solved every few steps, on the step's critical path, where NumPy's and SciPy's
+small linear-algebra calls cost more than the whole compiled solve.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ def nonnegative_normal_solve(normal, right):
     (Lawson and Hanson's active set; a few features, so each subproblem is solved afresh)."""
     n = len(right)
     free = np.zeros(n, dtype=np.bool_)
+    rejected = np.zeros(n, dtype=np.bool_)  # entered and left at once (rounding): not again until a step succeeds
     coef, trial = np.zeros(n), np.zeros(n)
     for _ in range(3 * n):
         # The coordinate whose gradient most favours rising from 0, past its rounding (per
@@ -65,12 +65,12 @@ def nonnegative_normal_solve(normal, right):
             for j in range(n):
                 gradient -= normal[i, j] * coef[j]
                 size += abs(normal[i, j] * coef[j])
-            if not free[i] and gradient > 10 * EPSILON * size and gradient > best:
+            if not free[i] and not rejected[i] and gradient > 10 * EPSILON * size and gradient > best:
                 best, entering = gradient, i
         if entering < 0:
             break
         free[entering] = True
-        for _ in range(n + 1):
+        for inner in range(n + 1):
             _solve_free(normal, right, free, trial)
             step, blocking = 2.0, -1
             for i in range(n):
@@ -81,7 +81,10 @@ def nonnegative_normal_solve(normal, right):
                         step, blocking = ratio, i
             if blocking < 0:
                 coef[:] = trial
+                rejected[:] = False
                 break
+            if inner == 0 and blocking == entering:
+                rejected[entering] = True
             for i in range(n):
                 coef[i] += step * (trial[i] - coef[i])
             coef[blocking], free[blocking] = 0.0, False

@@ -594,8 +594,9 @@ class GiveBack:
 def draining_choice(offers, gains, cost, step, self_budget, a_self: float, costs: StepCostModel) -> Choice:
     """The plan that brings a draining batch's end nearest, net of what it costs (module
     docstring): every row drafts to a common finish line r steps nearer, lookup where its
-    draft is long enough, else self-draft (a row not probed yet paying its probe first); the
-    best r, or no draft."""
+    draft is long enough, else self-draft; the best r, or no draft. A row not probed yet pays its
+    whole probe (a few target steps) in the plan that first self-drafts it: a draining batch has
+    few steps left to spread it over, and a retry, on its back-off, still probes one."""
     left = [o.tokens_left for o in offers]
     # Tokens ahead of the last rows (rows without a limit are level with each other).
     lead = [0 if r == max(left) else max(left) - r for r in left]

@@ -93,6 +93,8 @@ class LinearCost:
         if self._sums is None:
             return 0.0, np.zeros(len(self.prior_share))
         intercept, coef = ridge_nonnegative_fit(self._sums, self._prior_share, self._ridge)
+        if not (np.isfinite(intercept) and np.isfinite(coef).all()):  # (a step timed as inf or nan)
+            raise FloatingPointError("the step-cost fit is not finite")
         return float(intercept), coef
 
     def predict(self, features) -> float:

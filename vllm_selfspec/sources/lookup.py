@@ -346,11 +346,15 @@ def _context_drafts_into(
     """`_context_drafts`, each row's draft written over the draft at `at[r]` of a step's drafts
     (`tokens`, `probs`, `lengths`, `match`, `sources`, `has_probs`: `step_drafts.StepDrafts`)
     where it matches more, or there is none; past a draft, zeros up to `width`."""
+    for r in range(len(rows)):  # (every index checked before anything is written)
+        row, length, budget, full_budget = rows[r]
+        if not 0 <= at[r] < len(lengths) or width > tokens.shape[1] or not 0 <= row < token_ids.shape[0]:
+            raise IndexError("a draft row outside the step's drafts, or a row outside the batch")
+        if max(budget, full_budget) > width:
+            raise IndexError("a budget past the drafts' width")
     for r in range(len(rows)):
         row, length, budget, full_budget = rows[r]
         i = at[r]
-        if i < 0 or i >= len(lengths) or width > tokens.shape[1]:
-            raise IndexError("a draft row outside the step's drafts")
         drafted, shares, found = _context_draft(token_ids, row, length, budget, full_budget, max_match, min_prob, width)
         n = len(drafted)
         if n == 0 or (lengths[i] != 0 and found <= match[i]):
