@@ -184,7 +184,7 @@ class MockedRunner:
     def _refill(self, drafts: list[list[int]]) -> list[list[int]]:
         """Rows whose answers ended give their place to waiting requests (none of whose drafts
         run); the drafts of the rest."""
-        self.ended = []
+        self.ended, drafts = [], list(drafts)
         for i, row in enumerate(self.rows):
             if self.waiting is not None and row.emitted >= len(row.answer):
                 new = next(self.waiting)
@@ -194,7 +194,7 @@ class MockedRunner:
                 self.rows[i] = new
                 self._admit(i, new)
                 self.admitted.append(new)
-                drafts = [[] if j == i else d for j, d in enumerate(drafts)]
+                drafts[i] = []
         return drafts
 
     def step(self, drafts: list[list[int]]) -> tuple[object, list[list[int]]]:

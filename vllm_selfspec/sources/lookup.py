@@ -311,42 +311,17 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
 
 
 @compiled
-def _context_draft(token_ids, row, length, budget, full_budget, max_match, min_prob, width):
-    """`_suffix_draft` of one row's own context (a row of `token_ids`, its first `length`
-    tokens), looked up again with its full budget if the draft copies (its match is `max_match`
-    long); checked first, since the kernels read vLLM's arrays in place."""
-    if row < 0 or row >= token_ids.shape[0] or max(budget, full_budget) > width:
-        raise IndexError("a row outside the batch, or a budget past the drafts' width")
-    context = token_ids[row, : max(0, min(length, token_ids.shape[1]))]
-    drafted, shares, match = _suffix_draft(context, context, budget, max_match, min_prob)
-    if budget < full_budget and match >= max_match:
-        drafted, shares, match = _suffix_draft(context, context, full_budget, max_match, min_prob)
-    return drafted, shares, match
-
-
-@compiled
-def _context_drafts(token_ids, rows, max_match, min_prob, tokens, probs, out):
-    """`_context_draft` of each row: `rows` holds, per row, its row of `token_ids`, its
-    context's length, its budget and its full budget. Into `tokens` and `probs` (rows x width)
-    and `out` (rows x 2: tokens drafted, match length)."""
-    for r in range(len(rows)):
-        row, length, budget, full_budget = rows[r]
-        drafted, shares, match = _context_draft(
-            token_ids, row, length, budget, full_budget, max_match, min_prob, tokens.shape[1]
-        )
-        n = len(drafted)
-        tokens[r, :n], probs[r, :n] = drafted, shares
-        out[r, 0], out[r, 1] = n, match
-
-
-@compiled
-def _context_drafts_into(
+def _context_drafts(
     token_ids, rows, max_match, min_prob, at, width, tokens, probs, lengths, match, sources, has_probs, source
 ):
-    """`_context_drafts`, each row's draft written over the draft at `at[r]` of a step's drafts
-    (`tokens`, `probs`, `lengths`, `match`, `sources`, `has_probs`: `step_drafts.StepDrafts`)
-    where it matches more, or there is none; past a draft, zeros up to `width`."""
-    for r in range(len(rows)):  # (every index checked before anything is written)
+    """`_suffix_draft` of each row's own context: `rows` holds, per row, its row of `token_ids`,
+    its context's length, its budget and its full budget; a draft that copies (its match is
+    `max_match` long) is looked up again with the full budget. Each draft is written over the
+    draft at `at[r]` of `tokens`, `probs`, `lengths`, `match`, `sources`, `has_probs` (a step's
+    drafts, `step_drafts.StepDrafts`) where it matches more, or there is none; past a draft,
+    zeros up to `width`. Every index is checked before anything is read or written: the kernel
+    reads vLLM's arrays in place."""
+    for r in range(len(rows)):
         row, length, budget, full_budget = rows[r]
         if not 0 <= at[r] < len(lengths) or width > tokens.shape[1] or not 0 <= row < token_ids.shape[0]:
             raise IndexError("a draft row outside the step's drafts, or a row outside the batch")
@@ -354,9 +329,11 @@ def _context_drafts_into(
             raise IndexError("a budget past the drafts' width")
     for r in range(len(rows)):
         row, length, budget, full_budget = rows[r]
-        i = at[r]
-        drafted, shares, found = _context_draft(token_ids, row, length, budget, full_budget, max_match, min_prob, width)
-        n = len(drafted)
+        context = token_ids[row, : max(0, min(length, token_ids.shape[1]))]
+        drafted, shares, found = _suffix_draft(context, context, budget, max_match, min_prob)
+        if budget < full_budget and found >= max_match:
+            drafted, shares, found = _suffix_draft(context, context, full_budget, max_match, min_prob)
+        n, i = len(drafted), at[r]
         if n == 0 or (lengths[i] != 0 and found <= match[i]):
             continue
         tokens[i, :n], probs[i, :n] = drafted, shares
@@ -396,16 +373,23 @@ def context_drafts(
     full_budgets = budgets if full_budgets is None else full_budgets
     inputs = np.array([rows, lengths, budgets, full_budgets], dtype=np.int64).T.copy()
     width = max(max(full_budgets, default=0), 1)
-    if into is not None:
-        _context_drafts_into(
-            token_ids, inputs, int(max_match), float(min_prob), np.asarray(at, dtype=np.int64), width,
-            into.tokens, into.probs, into.lengths, into.match, into.sources, into.has_probs, int(source),
-        )  # fmt: skip
-        return None
-    tokens, probs = np.zeros((len(rows), width), dtype=np.int64), np.zeros((len(rows), width))
-    out = np.zeros((len(rows), 2), dtype=np.int64)
-    _context_drafts(token_ids, inputs, int(max_match), float(min_prob), tokens, probs, out)
-    return ContextDrafts(tokens, probs, out[:, 0], out[:, 1])
+    returned = into is None
+    if returned:  # (drafts of their own, a row each)
+        n = len(rows)
+        into = SimpleNamespace(
+            tokens=np.zeros((n, width), dtype=np.int64),
+            probs=np.zeros((n, width)),
+            lengths=np.zeros(n, dtype=np.int64),
+            match=np.zeros(n, dtype=np.int64),
+            sources=np.zeros(n, dtype=np.int64),
+            has_probs=np.zeros(n, dtype=bool),
+        )
+        at = np.arange(n)
+    _context_drafts(
+        token_ids, inputs, int(max_match), float(min_prob), np.asarray(at, dtype=np.int64), width,
+        into.tokens, into.probs, into.lengths, into.match, into.sources, into.has_probs, int(source),
+    )  # fmt: skip
+    return ContextDrafts(into.tokens, into.probs, into.lengths, into.match) if returned else None
 
 
 def warm_up() -> None:
@@ -414,11 +398,6 @@ def warm_up() -> None:
     suffix_draft(np.zeros(2, dtype=np.int64), 1)
     for dtype in (np.int32, np.int64):  # (vLLM's token ids are int32; int64 where a caller's are)
         context_drafts(np.zeros((1, 2), dtype=dtype), [0], [2], [1])
-        into = SimpleNamespace(
-            tokens=np.zeros((1, 1), dtype=np.int64), probs=np.ones((1, 1)), lengths=np.zeros(1, dtype=np.int64),
-            match=np.zeros(1, dtype=np.int64), sources=np.zeros(1, dtype=np.int64), has_probs=np.zeros(1, dtype=bool),
-        )  # fmt: skip
-        context_drafts(np.zeros((1, 2), dtype=dtype), [0], [2], [1], into=into, at=np.zeros(1, dtype=np.int64))
     history = OutputHistory(8)
     history.add(np.zeros(2, dtype=np.int64))
     history.draft(np.zeros(2, dtype=np.int64), 1, 2)
