@@ -149,6 +149,9 @@ class TokenIndex:
 # ones a draft's probabilities rest on.
 MAX_OCCURRENCES_SCANNED = 4096  # the most recent occurrences of the last token whose match is measured
 MAX_OCCURRENCES_FOLLOWED = 256  # of those, the longest matches (most recent among equals) followed
+PLACE_BITS = 8  # a followed occurrence's place, in the low bits of its sort key
+PLACE_MASK = (1 << PLACE_BITS) - 1
+assert MAX_OCCURRENCES_FOLLOWED <= 1 << PLACE_BITS
 
 
 @compiled
@@ -249,9 +252,24 @@ def _indexed_suffix_draft(context, corpus, index, max_tokens, max_match, min_pro
 
 
 @compiled
+def _sort_small(keys, n):
+    """keys[:n] sorted in place: by insertion while few (the usual case), else numba's sort."""
+    if n > 32:
+        keys[:n].sort()
+        return
+    for i in range(1, n):
+        key, j = keys[i], i - 1
+        while j >= 0 and keys[j] > key:
+            keys[j + 1] = keys[j]
+            j -= 1
+        keys[j + 1] = key
+
+
+@compiled
 def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
     """The draft from `ends`, the most recent occurrences of the context's last token, in
-    corpus order (the rule's matching and following)."""
+    corpus order (the rule's matching and following). Every row looks up every step: the
+    following works in a few scratch arrays made once a call, not in arrays made per token."""
     no_draft = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0)
     n, end = len(context), len(corpus)  # (continuations stop at the corpus's end)
     if len(ends) == 0:
@@ -266,48 +284,83 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
         lengths[i] = k
     if len(ends) > MAX_OCCURRENCES_FOLLOWED:
         ends, lengths = _longest_matches(ends, lengths, MAX_OCCURRENCES_FOLLOWED)
-    best_tokens, best_probs, best_match, best_score = no_draft[0], no_draft[1], 0, 0.0
+    counted = len(ends)
+    at_length = np.zeros(longest + 1, dtype=np.int64)  # occurrences by match length
+    for i in range(counted):
+        at_length[lengths[i]] += 1
+    # Scratch: the occurrences followed so far (corpus order), and each one's next token as a
+    # sort key, the token's bits above its place among them (shifts: a division per key cost
+    # more than the rest of the lookup), so that sorted keys group the occurrences by next
+    # token, the latest last.
+    occurrences, keys = np.empty(counted, dtype=np.int64), np.empty(counted, dtype=np.int64)
+    steps_most = min(max_tokens, longest)
+    tokens, probs = np.zeros(steps_most, dtype=np.int64), np.zeros(steps_most, dtype=np.float64)
+    best_tokens, best_probs = np.zeros(steps_most, dtype=np.int64), np.zeros(steps_most, dtype=np.float64)
+    best_taken, best_match, best_score = 0, 0, 0.0
     # The occurrences change only at the distinct lengths, and the longest m of a run allows the
-    # longest draft with the same probabilities, so only those m are tried (ascending, so that a
-    # tie goes to the longer match).
-    for m in np.unique(lengths):
-        occurrences = ends[lengths >= m]
-        total = len(occurrences) + 1  # the current occurrence counts: it has no continuation yet
+    # longest draft with the same probabilities, so only those m are tried. Longest first, so
+    # that a tie goes to the longer match, and so that a shorter match is skipped when even
+    # every token at its highest probability could not beat the best draft so far: its
+    # occurrences are more (they include the longer matches'), each following costs more, and
+    # its drafts are shorter. (Rounding only ever rises with its terms, so the bound's sum is
+    # at least the draft's, to the last bit.)
+    matching = 0
+    for m in range(longest, 0, -1):
+        matching += at_length[m]  # (the occurrences matching at least m tokens)
+        if at_length[m] == 0:
+            continue
         steps = min(max_tokens, m)
-        tokens = np.zeros(steps, dtype=np.int64)
-        probs = np.zeros(steps, dtype=np.float64)
-        taken = 0
+        highest, bound = matching / (matching + 1), 0.0
+        for _ in range(steps):
+            bound += highest
+        if bound <= best_score:
+            continue
+        followed = 0
+        for i in range(counted):
+            if lengths[i] >= m:
+                occurrences[followed] = ends[i]
+                followed += 1
+        total = followed + 1  # the current occurrence counts: it has no continuation yet
+        taken, following = 0, followed
         for j in range(steps):
             # The occurrences' next tokens (none past the end or across a separator).
-            kept = occurrences[occurrences + 1 + j < end]
-            following = corpus[kept + 1 + j]
-            kept, following = kept[following >= 0], following[following >= 0]
-            if len(kept) == 0:
+            kept = 0
+            for i in range(following):
+                if occurrences[i] + 1 + j < end and corpus[occurrences[i] + 1 + j] >= 0:
+                    keys[kept] = (corpus[occurrences[i] + 1 + j] << PLACE_BITS) | i
+                    kept += 1
+            if kept == 0:
                 break
             # The most frequent next token; among equals, the one whose latest occurrence is the
-            # most recent (occurrences are in corpus order).
-            order = np.argsort(following, kind="mergesort")
+            # most recent (a run's last key is its latest occurrence).
+            _sort_small(keys, kept)
             pick, pick_count, pick_last = -1, 0, -1
             run = 0
-            for r in range(len(order)):
+            for r in range(kept):
                 run += 1
-                if r + 1 == len(order) or following[order[r + 1]] != following[order[r]]:
-                    last = kept[order[r]]  # stable sort: the run's last is its latest occurrence
+                if r + 1 == kept or keys[r + 1] >> PLACE_BITS != keys[r] >> PLACE_BITS:
+                    last = keys[r] & PLACE_MASK
                     if run > pick_count or (run == pick_count and last > pick_last):
-                        pick, pick_count, pick_last = following[order[r]], run, last
+                        pick, pick_count, pick_last = keys[r] >> PLACE_BITS, run, last
                     run = 0
             if pick_count / total < min_prob:
                 break
             tokens[j], probs[j] = pick, pick_count / total
             taken = j + 1
-            occurrences = kept[following == pick]
+            followed = 0
+            for i in range(following):
+                if occurrences[i] + 1 + j < end and corpus[occurrences[i] + 1 + j] == pick:
+                    occurrences[followed] = occurrences[i]
+                    followed += 1
+            following = followed
         if taken:
             score = 0.0
             for j in range(taken):
                 score += probs[j]
-            if score >= best_score:
-                best_tokens, best_probs, best_match, best_score = tokens[:taken], probs[:taken], m, score
-    return best_tokens, best_probs, best_match
+            if score > best_score:
+                best_tokens[:taken], best_probs[:taken] = tokens[:taken], probs[:taken]
+                best_taken, best_match, best_score = taken, m, score
+    return best_tokens[:best_taken].copy(), best_probs[:best_taken].copy(), best_match
 
 
 @compiled
