@@ -266,12 +266,60 @@ def _sort_small(keys, n):
 
 
 @compiled
+def _most_frequent(keys, kept):
+    """(token, occurrences) of the most frequent next token in keys[:kept] (sorted in place);
+    among equals, the one whose latest occurrence is the most recent (a run's last key is its
+    latest occurrence)."""
+    _sort_small(keys, kept)
+    pick, pick_count, pick_last = -1, 0, -1
+    run = 0
+    for r in range(kept):
+        run += 1
+        if r + 1 == kept or keys[r + 1] >> PLACE_BITS != keys[r] >> PLACE_BITS:
+            last = keys[r] & PLACE_MASK
+            if run > pick_count or (run == pick_count and last > pick_last):
+                pick, pick_count, pick_last = keys[r] >> PLACE_BITS, run, last
+            run = 0
+    return pick, pick_count
+
+
+@compiled
+def _follow(occurrences, following, steps, total, corpus, min_prob, keys, tokens, probs):
+    """Follow occurrences[:following] (corpus order) token by token, up to `steps` tokens, into
+    `tokens` and `probs`: each the most frequent next token, while its share of `total` is at
+    least `min_prob`; how many were taken. `occurrences` and `keys` are scratch."""
+    end = len(corpus)  # (continuations stop at the corpus's end)
+    taken = 0
+    for j in range(steps):
+        # The occurrences' next tokens (none past the end or across a separator).
+        kept = 0
+        for i in range(following):
+            if occurrences[i] + 1 + j < end and corpus[occurrences[i] + 1 + j] >= 0:
+                keys[kept] = (corpus[occurrences[i] + 1 + j] << PLACE_BITS) | i
+                kept += 1
+        if kept == 0:
+            break
+        pick, pick_count = _most_frequent(keys, kept)
+        if pick_count / total < min_prob:
+            break
+        tokens[j], probs[j] = pick, pick_count / total
+        taken = j + 1
+        followed = 0
+        for i in range(following):
+            if occurrences[i] + 1 + j < end and corpus[occurrences[i] + 1 + j] == pick:
+                occurrences[followed] = occurrences[i]
+                followed += 1
+        following = followed
+    return taken
+
+
+@compiled
 def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
     """The draft from `ends`, the most recent occurrences of the context's last token, in
     corpus order (the rule's matching and following). Every row looks up every step: the
     following works in a few scratch arrays made once a call, not in arrays made per token."""
     no_draft = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0)
-    n, end = len(context), len(corpus)  # (continuations stop at the corpus's end)
+    n = len(context)
     if len(ends) == 0:
         return no_draft
     # lengths[i]: how many of the context's last tokens match the corpus, ending at ends[i].
@@ -321,38 +369,7 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
                 occurrences[followed] = ends[i]
                 followed += 1
         total = followed + 1  # the current occurrence counts: it has no continuation yet
-        taken, following = 0, followed
-        for j in range(steps):
-            # The occurrences' next tokens (none past the end or across a separator).
-            kept = 0
-            for i in range(following):
-                if occurrences[i] + 1 + j < end and corpus[occurrences[i] + 1 + j] >= 0:
-                    keys[kept] = (corpus[occurrences[i] + 1 + j] << PLACE_BITS) | i
-                    kept += 1
-            if kept == 0:
-                break
-            # The most frequent next token; among equals, the one whose latest occurrence is the
-            # most recent (a run's last key is its latest occurrence).
-            _sort_small(keys, kept)
-            pick, pick_count, pick_last = -1, 0, -1
-            run = 0
-            for r in range(kept):
-                run += 1
-                if r + 1 == kept or keys[r + 1] >> PLACE_BITS != keys[r] >> PLACE_BITS:
-                    last = keys[r] & PLACE_MASK
-                    if run > pick_count or (run == pick_count and last > pick_last):
-                        pick, pick_count, pick_last = keys[r] >> PLACE_BITS, run, last
-                    run = 0
-            if pick_count / total < min_prob:
-                break
-            tokens[j], probs[j] = pick, pick_count / total
-            taken = j + 1
-            followed = 0
-            for i in range(following):
-                if occurrences[i] + 1 + j < end and corpus[occurrences[i] + 1 + j] == pick:
-                    occurrences[followed] = occurrences[i]
-                    followed += 1
-            following = followed
+        taken = _follow(occurrences, followed, steps, total, corpus, min_prob, keys, tokens, probs)
         if taken:
             score = 0.0
             for j in range(taken):
