@@ -1223,6 +1223,9 @@ def test_the_plans_skipped_as_known_are_the_plans_the_greedy_makes(monkeypatch):
         t0=0.05, t1=0.0035, self_step=0.004, lookup_rate=0.9, self_rate=0.9, t_sampled=0.003, t_verify=0.004
     )
     controller.planner.protect_rows = True
+    # (the planner's Python path, where the shortcuts are functions; the compiled plan is held
+    # to it: test_the_compiled_plan_is_the_plan_python_makes)
+    controller.planner.compiled_lookup_plan = False
     with_history(controller, [f"old{i}" for i in range(4)], drafted=8, accepted=6)
     taken = {"every_lookup_token_binds": [], "self_draft_may_pay": []}
     for name, calls in taken.items():
@@ -1449,6 +1452,95 @@ def test_the_compiled_lookup_plan_is_the_plan_python_makes():
             planner.compiled_lookup_plan = True
             given_back += sum(greedy_alone.lookup_lengths) > sum(made[0][0]) > 0
     assert compared == 4000 and drafted > 1000 and given_back > 100, (drafted, given_back)
+
+
+def test_the_compiled_plan_is_the_plan_python_makes():
+    """A step's plan laid out by one compiled call (`lookup_plan.steady_lookup_plan`: prices,
+    plain's step, the rows that would rather self-draft, trust, due, the shortcut, the greedy)
+    against the planner's Python path, over steps of random batches: rows new and trusted,
+    ahead of their pace and behind, greedy and sampled, short and long contexts, lookup drafts
+    and predictions, may self-draft or not, probed or not; with prompts waiting, draining, the
+    per-row rule on and off. Every layout to the last bit, every plan alike, and the steps
+    cover each outcome of the layout."""
+    import copy
+    import dataclasses
+    import random
+
+    from vllm_selfspec.control.planner import EVERY_TOKEN_BINDS, MADE, NOT_MADE
+
+    rng = random.Random(5)
+    controllers = {}
+    for compiled in (True, False):
+        controller = trained(
+            t0=0.05, t1=0.0035, self_step=0.004, lookup_rate=0.9, self_rate=0.9, t_sampled=0.003, t_verify=0.004
+        )
+        controller.observe_step(0, 4, 0, 0.07, context_read=9000)  # (a price per context token)
+        controller.planner.compiled_lookup_plan = compiled
+        controllers[compiled] = controller
+    for controller in controllers.values():
+        with_history(controller, [f"old{i}" for i in range(6)], drafted=8, accepted=6)
+    outcomes, self_drafted, trusted_by_bins = {NOT_MADE: 0, MADE: 0, EVERY_TOKEN_BINDS: 0}, 0, 0
+    for step in range(600):
+        offers = []
+        for i in range(rng.randint(1, 14)):
+            n = rng.choice([0, 0, 1, 3, 8])
+            predicted = n and rng.random() < 0.2
+            offers.append(
+                RowOffer(
+                    rng.choice(["old", "new"]) + str(i),
+                    lookup_tokens=n,
+                    lookup_source=DraftSource.PREDICTION if predicted else DraftSource.LOOKUP,
+                    lookup_probs=() if predicted else tuple(rng.choice([0.999, 0.9, 0.5, 0.2]) for _ in range(n)),
+                    lookup_match=rng.choice([1, 4, 24]),
+                    sampled=rng.random() < 0.4,
+                    can_self_draft=rng.random() < 0.4,
+                    has_mask=rng.random() < 0.5,
+                    remaining=rng.choice([None, 3, 40]),
+                    context=rng.choice([10, 900, 5000]),
+                )
+            )
+        when = {"draining": rng.random() < 0.15, "prompts_waiting": rng.random() < 0.2}
+        budget, protect = rng.choice([0, 4]), rng.random() < 0.8
+        plans, layouts = [], []
+        for controller in controllers.values():
+            controller.planner.protect_rows = protect
+            batch = StepOffers.of(offers)
+            gains = controller.acceptance.step_gains(batch)
+            planner = copy.deepcopy(controller.planner)  # (laying out changes nothing: checked below)
+            layouts.append(planner.lay_out(batch, gains, planner.costs.target(), when["prompts_waiting"], True))
+            plans.append(controller.plan(batch, self_budget=budget, gains=gains, **when))
+        compiled, python = (
+            {k: v.tolist() if hasattr(v, "tolist") else v for k, v in x._asdict().items()} for x in layouts
+        )
+        if python["lookup_plan"] != MADE:  # (lengths are read only from a plan made)
+            compiled["lookup_lengths"] = python["lookup_lengths"] = []
+        assert compiled == python, step
+        assert plans[0] == plans[1], step
+        outcomes[python["lookup_plan"]] += 1
+        self_drafted += plans[0].self_length > 0
+        accepted = {o.req_id: rng.randint(0, n) for o, n in zip(offers, plans[0].lookup_lengths)}
+        for controller in controllers.values():
+            settle(controller, accepted)
+        # Drafts verified in their calibration bins (of other requests: bins trust new rows).
+        for o in rng.sample(offers, min(3, len(offers))):
+            if o.lookup_tokens:  # (predictions too: their bins must not trust a row)
+                verified = rng.randint(1, o.lookup_tokens)
+                accepted_tokens = rng.randint(0, verified)
+                for controller in controllers.values():
+                    acceptance = controller.acceptance
+                    estimated = sum(acceptance.lookup_gains(o, scaled=False))
+                    bins = acceptance.calibration(o)
+                    acceptance.observe_draft("other", o.lookup_source, verified, accepted_tokens, bins, estimated)
+        trusted_by_bins += sum(
+            controllers[True].acceptance.trusted_rows(batch, gains)
+            & ~controllers[True].acceptance.requests.trusted[gains.slots]
+        )
+    assert min(outcomes.values()) > 25 and self_drafted > 20 and trusted_by_bins > 100, (
+        outcomes,
+        self_drafted,
+        trusted_by_bins,
+    )
+    assert dataclasses.asdict(controllers[True].planner.ledger) == dataclasses.asdict(controllers[False].planner.ledger)
 
 
 def gain_table(rows: list[list[float]]) -> np.ndarray:

@@ -71,6 +71,7 @@ def test_the_plan_and_gains_kernels_compile_once():
     for workload in ("lookup", "prediction"):
         replay(workload, 8)
     assert len(lookup_plan.greedy_lookup_plan.signatures) == 1, lookup_plan.greedy_lookup_plan.signatures
+    assert len(lookup_plan.steady_lookup_plan.signatures) == 1, lookup_plan.steady_lookup_plan.signatures
     assert len(acceptance._lookup_gains.signatures) == 1, acceptance._lookup_gains.signatures
     assert len(acceptance._sums_in_order.signatures) == 1, acceptance._sums_in_order.signatures
     assert len(request_rates.learn_verified.signatures) == 1, request_rates.learn_verified.signatures

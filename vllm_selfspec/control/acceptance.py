@@ -400,6 +400,14 @@ class AcceptanceModel:
         looked_up = (offers.lookup_tokens > 0) & (offers.sources != SOURCE_INDEX[DraftSource.PREDICTION])
         return own | (looked_up & verified.all(axis=1))
 
+    def trust_rule(self, offers, gains: StepGains) -> tuple:
+        """What `trusted_rows` reads, for the compiled plan (`lookup_plan.steady_lookup_plan`):
+        each slot's own trust, each row's slot, each token's bin, each bin's verified tokens,
+        the tokens a bin is trusted at, and the prediction's source index."""
+        slots = self.requests.slots(offers.req_ids) if gains.slots is None else gains.slots
+        prediction = SOURCE_INDEX[DraftSource.PREDICTION]
+        return self.requests.trusted, slots, gains.bins, self._bin_verified, TRUSTED_BIN_TOKENS, prediction
+
     def calibration(self, offer, length: int | None = None) -> Calibration:
         """The bins and priors of an offer's first `length` lookup tokens (all by default)."""
         return Calibration.of((bin_id(b), p) for b, p in self._bins_and_priors(offer, length))

@@ -18,6 +18,10 @@ products of rates below 1), so that a row's tokens are taken shallowest first. I
    lengthens its own draft while its tokens pay at plain decoding's rate;
 3. give back, while some row is left short: the least paying deepest token of a row left its
    due without it, else of a row that does not bind, else the least paying (`planner.GiveBack`).
+
+`steady_lookup_plan` is a steady step's whole lookup plan in one call: each row's price, plain
+decoding's seconds, the rows that would rather self-draft, each row's trust and due, the sign
+that every token binds, and the greedy above (`DraftPlanner.lay_out` in Python, the reference).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ def warm_up() -> None:
     gains, offered, cost = np.full((2, 1), 0.5), np.ones(2, dtype=np.int64), np.full(2, 1e-3)
     due = (0.01, 1e-3, 0.02, np.ones(2), np.zeros(2))
     greedy_lookup_plan(gains, offered, cost, 2.0, 0.01, np.inf, 0.2, True, due)
+    flags, no = np.ones(2, dtype=np.bool_), np.zeros(2, dtype=np.bool_)
+    offers = (offered, flags, np.full(2, 100, dtype=np.int64), flags, no, np.full(2, np.inf), offered)
+    rule = (True, flags, np.zeros(2, dtype=np.int64), np.full((2, 1), -1, dtype=np.int64), offered, 16, 2, np.zeros(2))
+    steady_lookup_plan(offers, gains, (1e-3, 1e-4, 0.0, 0.0, 1e-3), (0.5, True, False, True), (0.2, 0.02, 0.05), rule)
 
 
 @compiled
@@ -210,3 +218,70 @@ def _give_back(cost, depth, due, lengths, taken_tokens, taken, tokens, seconds, 
         _take(i, cost[i], gain, -1, due, drafted, own, credited, allowances)
         tokens, seconds = tokens - gain, seconds - cost[i]
     return tokens, seconds
+
+
+@compiled
+def steady_lookup_plan(offers, gains, step, self_drafting, limits, rule):
+    """A steady step's lookup plan, as `DraftPlanner.lay_out` makes it in Python, to the last
+    bit: (each row's price per token, plain decoding's seconds, the rows that would rather
+    self-draft, their prices summed, their tokens left summed, whether any row offers a lookup
+    draft, what the lookup plan came to, its lengths, tokens and seconds). What it came to: 0,
+    none made (nothing offered, or not `plan`); 1, made; 2, every lookup token binds (plain's).
+    offers: (lookup tokens, sampled, context, can self-draft, has a mask, tokens left, source
+    index); gains: (rows, K) planned; step: (t0, t_row, t_sampled, t_context, t_verify);
+    self_drafting: (self rate, self step measured, prompts waiting, plan); limits: (margin,
+    row slack, first-token slack); rule: (protect rows, each slot's own trust, each row's slot,
+    each token's bin (-1 past a draft), each bin's verified tokens, tokens a bin is trusted
+    at, the prediction's source index, each row's seconds ahead)."""
+    offered, sampled, context, can_self_draft, has_mask, remaining, sources = offers
+    t0, t_row, t_sampled, t_context, t_verify = step
+    self_rate, self_measured, prompts_waiting, plan = self_drafting
+    margin, row_slack, first_token_slack = limits
+    protect, own_trusted, slots, bins, bin_verified, trusted_at, prediction, ahead = rule
+    rows = len(offered)
+    cost, self_rows = np.empty(rows), np.zeros(rows, dtype=np.bool_)
+    summed, self_cost, self_left, any_offered = 0.0, 0.0, 0.0, False
+    for i in range(rows):
+        price = t_row + t_sampled * sampled[i] + t_context * context[i] / 1000
+        cost[i] = 1e-9 if price < 1e-9 else price  # (np.maximum's: NaN stays NaN)
+        summed += cost[i]
+        rather_self = offered[i] == 0 or (self_measured and gains[i, 0] < self_rate)
+        self_rows[i] = can_self_draft[i] and rather_self and (has_mask[i] or not prompts_waiting)
+        if self_rows[i]:
+            self_cost += cost[i]
+            self_left += remaining[i]
+        any_offered |= offered[i] > 0
+    plain_seconds = t0 + summed
+    lengths = np.zeros(rows, dtype=np.int64)
+    if not (plan and any_offered):
+        return cost, plain_seconds, self_rows, self_cost, self_left, any_offered, 0, lengths, 0.0, 0.0
+    max_seconds = plain_seconds * (1 + first_token_slack) if prompts_waiting else np.inf
+    protected = protect and rows > 1
+    trusted = np.zeros(rows)
+    if protected:
+        cheapest = np.inf
+        for i in range(rows):
+            if offered[i] > 0 and cost[i] < cheapest:
+                cheapest = cost[i]
+        blocking, blocking_unoffered = 0, False
+        for i in range(rows):
+            own = own_trusted[slots[i]]
+            if not own and offered[i] > 0 and sources[i] != prediction:
+                own = True
+                for j in range(bins.shape[1]):
+                    if bins[i, j] >= 0 and bin_verified[bins[i, j]] < trusted_at:
+                        own = False
+            # (a row behind its pace is credited nothing: its estimates have fallen short)
+            trusted[i] = 1.0 if own and ahead[i] >= 0 else 0.0
+            # `planner.every_lookup_token_binds`
+            allowed = plain_seconds * ((1 + 0.0) / (1 - row_slack) - 1) + ahead[i]
+            if trusted[i] == 0.0 and allowed < cheapest + (0.0 if offered[i] > 0 else t_verify):
+                blocking += 1
+                blocking_unoffered |= offered[i] == 0
+        if blocking >= 2 or blocking_unoffered:
+            return cost, plain_seconds, self_rows, self_cost, self_left, any_offered, 2, lengths, 0.0, 0.0
+    due = (plain_seconds, t_verify, row_slack, trusted, ahead)
+    lengths, tokens, seconds = greedy_lookup_plan(
+        gains, offered, cost, float(rows), plain_seconds + t_verify, max_seconds, margin, protected, due
+    )
+    return cost, plain_seconds, self_rows, self_cost, self_left, any_offered, 1, lengths, tokens, seconds

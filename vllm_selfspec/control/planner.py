@@ -16,12 +16,13 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from vllm_selfspec.control.acceptance import AcceptanceModel, StepGains
 from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
-from vllm_selfspec.control.lookup_plan import NO_DUE, greedy_lookup_plan
+from vllm_selfspec.control.lookup_plan import NO_DUE, greedy_lookup_plan, steady_lookup_plan
 from vllm_selfspec.control.offers import RowOffer, StepOffers
 from vllm_selfspec.control.row_ledger import PlannedStep, RowLedger
 from vllm_selfspec.control.step_costs import StepCostModel
@@ -92,6 +93,30 @@ class RowDue:
     t_verify: float
     trusted: np.ndarray  # bool
     ahead: np.ndarray  # float64
+
+
+class StepLayout(NamedTuple):
+    """What a plan starts from (`DraftPlanner.lay_out`): each row's seconds per draft token and
+    plain decoding's step; the rows that would rather self-draft, their prices and tokens left
+    summed; whether any row offers a lookup draft; and the steady plan of lookup drafts alone,
+    if made (`lookup_plan`: NOT_MADE, MADE, or EVERY_TOKEN_BINDS, which is plain's)."""
+
+    cost: np.ndarray
+    plain_seconds: float
+    self_rows: np.ndarray  # bool
+    self_cost: float
+    self_left: float
+    offered: bool
+    lookup_plan: int
+    lookup_lengths: np.ndarray  # int64
+    lookup_tokens: float
+    lookup_seconds: float
+
+
+NOT_MADE, MADE, EVERY_TOKEN_BINDS = 0, 1, 2
+# The per-row rule's inputs where it does not apply (the kernel's one signature).
+NO_RULE = (False, np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64), np.zeros((0, 1), dtype=np.int64))
+NO_RULE_REST = (np.zeros(0, dtype=np.int64), 0, 0, np.zeros(0))
 
 
 class RowProtection:
@@ -187,34 +212,27 @@ class DraftPlanner:
         if not self.costs.ready:  # learn the step cost first, with the drafts that cost nothing
             return DraftPlan(offers.lookup_tokens.tolist(), 0, False, [False] * len(offers))
         step = self.costs.target()
-        cost = step.t_row + step.t_sampled * offers.sampled + step.t_context * offers.context / 1000
-        cost = np.maximum(cost, 1e-9).tolist()  # (a list: the plans made in Python index it per token)
-        plain_seconds = step.t0 + sum(cost)
         step_gains = self.acceptance.step_gains(offers) if gains is None else gains
         gains = step_gains.planned
-        # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
-        # than a self-draft's.
-        rather_self = offers.lookup_tokens == 0
-        if self.costs.self_step_measured:
-            rather_self |= gains[:, 0] < self.acceptance.self_rate
-        if prompts_waiting:  # a probe costs a few target steps, past any slack: measured rows only
-            rather_self &= offers.has_mask
-        self_rows = np.flatnonzero(offers.can_self_draft & rather_self).tolist()
-        if draining and len(offers) > 1:  # (one row's end is the batch's: the steady plan is that)
-            rows = offers.rows
+        steady = not draining or len(offers) == 1  # (one row's end is the batch's: the steady plan is that)
+        laid = self.lay_out(offers, step_gains, step, prompts_waiting, steady)
+        plain_seconds = laid.plain_seconds
+        self_rows = np.flatnonzero(laid.self_rows).tolist()
+        if not steady:
+            rows, cost = offers.rows, laid.cost.tolist()
             choice = draining_choice(rows, gains, cost, step, self_budget, self.acceptance.self_rate, self.costs)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
             # step, on up to K/(K+1) of the steps left to the batch's end.
             self_step = self.costs.self_step_seconds(len(self_rows))
             choice.best_self_saving = (step.t0 - self_step - step.t_verify) * max(o.tokens_left for o in rows)
         else:
-            t0, t_verify = step.t0, step.t_verify
-            choice = self._steady(offers, step_gains, cost, t0, t_verify, self_rows, self_budget, prompts_waiting)
+            choice = self._steady(offers, step_gains, laid, step.t_verify, self_rows, self_budget, prompts_waiting)
         explored = False
         if self_rows and choice.self_length == 0 and self_budget and not prompts_waiting:
             # (a retry credits no row: its acceptance is what it measures)
             protected = self.protect_rows and len(offers) > 1 and not draining
             room = lambda: self.ledger.room(offers.req_ids, plain_seconds, choice.seconds)  # noqa: E731
+            cost = laid.cost.tolist()
             explored = self.retries.due() and make_retry(
                 self.costs, offers, self_rows, choice, self_budget, cost, step, room=room if protected else None
             )
@@ -228,17 +246,16 @@ class DraftPlanner:
         self_rows = [i in chosen for i in range(len(offers))] if chosen else [False] * len(offers)
         return DraftPlan(choice.lookup_lengths, choice.self_length, explored, self_rows)
 
-    def _steady(self, offers, step_gains, cost, t0, t_verify, self_rows, self_budget, prompts_waiting=False) -> Choice:
-        """The plan with the most tokens per second: lookup only, or self-drafts for
-        `self_rows` with lookup for the rest (so a row that self-drafting does not pay for keeps
-        its lookup draft); no longer than plain's by more than FIRST_TOKEN_SLACK if
-        `prompts_waiting`."""
-        plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=t0 + sum(cost))
-        offered = bool(offers.lookup_tokens.any())
-        if not self_rows and not offered:
+    def _steady(self, offers, step_gains, laid: StepLayout, t_verify, self_rows, self_budget, prompts_waiting):
+        """The plan with the most tokens per second (a `Choice`): lookup only (`laid`), or
+        self-drafts for `self_rows` with lookup for the rest (so a row that self-drafting does
+        not pay for keeps its lookup draft); no longer than plain's by more than
+        FIRST_TOKEN_SLACK if `prompts_waiting`."""
+        plain = Choice([0] * len(offers), tokens=float(len(offers)), seconds=laid.plain_seconds)
+        if not self_rows and not laid.offered:
             return plain  # (nothing offered: the plan below would come to plain's, at a cost per row)
         max_seconds = plain.seconds * (1 + FIRST_TOKEN_SLACK) if prompts_waiting else math.inf
-        self_token_cost = self_token_seconds(self.costs, cost, self_rows)
+        self_token_cost = laid.self_cost + self.costs.self_step_seconds(len(self_rows))
         # Any draft pays t_verify once: take the best tokens at the rate that leaves, then keep
         # the plan only if it beats plain decoding.
         verifying = (plain.tokens, plain.seconds + t_verify)
@@ -248,17 +265,16 @@ class DraftPlanner:
             and self_budget
             and self_draft_may_pay(len(self_rows) * self.acceptance.self_rate, self_token_cost, verifying)
         )
-        # (neither a lookup draft nor a self-draft that may pay: plain's plan, with no rule to weigh)
-        best, gains, protected = plain, step_gains.planned, None
-        if offered or self_may_pay:
+        best, gains = plain, step_gains.planned
+        if laid.lookup_plan == MADE:
+            best = Choice(laid.lookup_lengths.tolist(), tokens=laid.lookup_tokens, seconds=laid.lookup_seconds)
+        if self_may_pay:  # (a row by row path: self-draft tokens span rows)
+            cost, protected = laid.cost.tolist(), None
             if self.protect_rows and len(offers) > 1:
-                protected = row_due(
-                    self.ledger, self.acceptance.trusted_rows(offers, step_gains), offers, plain.seconds, t_verify
-                )
-            if not (protected and every_lookup_token_binds(protected, offers, cost)):
-                # (else the greedy would give every lookup token back, and then not beat plain)
+                trusted = self.acceptance.trusted_rows(offers, step_gains)
+                protected = row_due(self.ledger, trusted, offers, plain.seconds, t_verify)
+            if laid.lookup_plan == NOT_MADE and not (protected and every_lookup_token_binds(protected, offers, cost)):
                 best = self._greedy(offers, gains, cost, verifying, max_seconds=max_seconds, protected=protected)
-        if self_may_pay:
             with_self = self._greedy(
                 offers, gains, cost, verifying, self_rows, self_budget, self_token_cost, max_seconds, protected
             )
@@ -280,8 +296,66 @@ class DraftPlanner:
         # prices its own probe (retry_pays).
         # At best each self-draft token costs self_token_cost / m, not the plan's seconds per token.
         per_token = best.seconds / best.tokens - self_token_cost / max(len(self_rows), 1)
-        best.best_self_saving = per_token * sum(offers.remaining[self_rows].tolist())
+        best.best_self_saving = per_token * laid.self_left
         return best
+
+    def lay_out(self, offers: StepOffers, step_gains: StepGains, step, prompts_waiting: bool, plan: bool) -> StepLayout:
+        """What a plan starts from (`StepLayout`), in one compiled call; with the steady plan of
+        lookup drafts alone if `plan`. (In Python, token by token, if not `compiled_lookup_plan`.)"""
+        if not self.compiled_lookup_plan:
+            return self._lay_out_in_python(offers, step_gains, step, prompts_waiting, plan)
+        protect = plan and self.protect_rows and len(offers) > 1
+        if protect:
+            ahead = np.array(self.ledger.ahead(offers.req_ids), dtype=np.float64)
+            rule = (True, *self.acceptance.trust_rule(offers, step_gains), ahead)
+        else:
+            rule = (*NO_RULE, *NO_RULE_REST)
+        laid = steady_lookup_plan(
+            (
+                offers.lookup_tokens, offers.sampled, offers.context, offers.can_self_draft, offers.has_mask,
+                offers.remaining, offers.sources,
+            ),
+            step_gains.planned,
+            (step.t0, step.t_row, step.t_sampled, step.t_context, step.t_verify),
+            (self.acceptance.self_rate, self.costs.self_step_measured, prompts_waiting, plan),
+            (DRAFT_MARGIN, ROW_SLACK, FIRST_TOKEN_SLACK),
+            rule,
+        )  # fmt: skip
+        return StepLayout(*laid)
+
+    def _lay_out_in_python(self, offers, step_gains, step, prompts_waiting: bool, plan: bool) -> StepLayout:
+        """`lay_out` row by row and token by token: the compiled kernel's reference."""
+        cost = np.maximum(step.t_row + step.t_sampled * offers.sampled + step.t_context * offers.context / 1000, 1e-9)
+        prices, gains = cost.tolist(), step_gains.planned
+        plain_seconds = step.t0 + sum(prices)
+        # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
+        # than a self-draft's.
+        rather_self = offers.lookup_tokens == 0
+        if self.costs.self_step_measured:
+            rather_self |= gains[:, 0] < self.acceptance.self_rate
+        if prompts_waiting:  # a probe costs a few target steps, past any slack: measured rows only
+            rather_self &= offers.has_mask
+        self_mask = offers.can_self_draft & rather_self
+        self_rows = np.flatnonzero(self_mask).tolist()
+        self_cost, self_left = sum(prices[i] for i in self_rows), sum(offers.remaining[self_rows].tolist())
+        offered = bool(offers.lookup_tokens.any())
+        nothing = np.zeros(0, dtype=np.int64)
+        laid = StepLayout(cost, plain_seconds, self_mask, self_cost, self_left, offered, NOT_MADE, nothing, 0.0, 0.0)
+        if not (plan and offered):
+            return laid
+        max_seconds = plain_seconds * (1 + FIRST_TOKEN_SLACK) if prompts_waiting else math.inf
+        protected = None
+        if self.protect_rows and len(offers) > 1:
+            trusted = self.acceptance.trusted_rows(offers, step_gains)
+            protected = row_due(self.ledger, trusted, offers, plain_seconds, step.t_verify)
+            if every_lookup_token_binds(protected, offers, prices):
+                return laid._replace(lookup_plan=EVERY_TOKEN_BINDS)
+        verifying = (float(len(offers)), plain_seconds + step.t_verify)
+        choice = self._greedy(offers, gains, prices, verifying, max_seconds=max_seconds, protected=protected)
+        lengths = np.array(choice.lookup_lengths, dtype=np.int64)
+        return laid._replace(
+            lookup_plan=MADE, lookup_lengths=lengths, lookup_tokens=choice.tokens, lookup_seconds=choice.seconds
+        )
 
     def _greedy(
         self,
