@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_selfspec.compiled import compiled
-from vllm_selfspec.control.request_rates import REQUEST_DECAY, DraftsMade, RequestRates, learn_verified
+from vllm_selfspec.control.request_rates import MOST_RATE, REQUEST_DECAY, DraftsMade, RequestRates, learn_verified
 
 
 class DraftSource(str, Enum):
@@ -192,37 +192,53 @@ def _sums_in_order(planned, estimated, rows, lengths, planned_sums, estimated_su
 
 
 @compiled
-def _lookup_gains(rows, request, offered, sources, source_rates, *out):
-    """`AcceptanceModel.step_gains`' arithmetic, row by row and token by token, into `out`
-    (planned, estimated, bins, priors; rows x depth): each token's agreement share (its
-    probability over the previous one's) picks its bin, whose learned rate, or else that share,
-    times the request's factor, multiplies the row's gain so far (as `lookup_gains` does).
-    `rows`: the rows that offer a draft, `request` each one's factor; `offered`: the step's
-    `StepOffers` arrays (lengths, sampled, match, has_probs, probs), then every bin's learned
-    rate and the agreement and match-length bucket edges; `sources`: each row's source, whose
-    rate and calibration factor `source_rates` holds (sources x 2)."""
+def _lookup_gains(slots, offered, sources, source_rates, own_rates):
+    """`AcceptanceModel.step_gains`' arithmetic, row by row and token by token: (planned,
+    estimated, bins, priors), rows x depth. Each token's agreement share (its probability over
+    the previous one's) picks its bin, whose learned rate, or else that share, times the
+    request's factor (its own rate of its source over the source's, 1 before it has one),
+    multiplies the row's gain so far (as `lookup_gains` does). `slots`: each row's request
+    slot; `offered`: the step's `StepOffers` arrays (lengths, sampled, match, has_probs, probs),
+    then every bin's learned rate and the agreement and match-length bucket edges; `sources`:
+    each row's source, whose rate and calibration factor `source_rates` holds (sources x 2);
+    `own_rates`: the requests' (seen, accepted, trials), slots x sources."""
     lengths, sampled, match, has_probs, probs, bin_rates, agreement, match_edges = offered
-    planned, estimated, bins, priors = out
-    for r in range(len(rows)):
-        row, gain = rows[r], 1.0
-        source = sources[row]
+    seen, accepted, trials = own_rates
+    width = 1
+    for row in range(len(lengths)):
+        width = max(width, lengths[row])
+    shape = (len(lengths), width)
+    planned, estimated, bins, priors = np.zeros(shape), np.zeros(shape), np.full(shape, -1, np.int64), np.zeros(shape)
+    for row in range(len(lengths)):
+        if lengths[row] == 0:
+            continue
+        gain, source, slot = 1.0, sources[row], slots[row]
+        if not (0 <= source < seen.shape[1] and 0 <= slot < seen.shape[0]):
+            raise IndexError("a lookup draft's source or request slot outside the rates' arrays")
         rate, factor = source_rates[source, 0], source_rates[source, 1]
+        own = rate
+        if seen[slot, source]:  # (a slot's rates are unread before its first verified draft)
+            own = accepted[slot, source] / trials[slot, source]
+            if own > MOST_RATE:  # (np.minimum's: NaN stays NaN)
+                own = MOST_RATE
+        request = own / rate
         match_bucket = 0
         for edge in match_edges:
             match_bucket += edge <= match[row]
         base = ((source * 2 + sampled[row]) * MATCH_BUCKETS + match_bucket) * AGREEMENT_SLOTS
         for j in range(lengths[row]):
-            share, slot = rate, 0  # (no probabilities: one bin, its prior the source's rate)
+            share, token_slot = rate, 0  # (no probabilities: one bin, its prior the source's rate)
             if has_probs[row]:
                 share = probs[row, j] / (probs[row, j - 1] if j > 0 else 1.0)
-                slot = 1
+                token_slot = 1
                 for edge in agreement:
-                    slot += edge <= share
-            token_bin = base + slot
+                    token_slot += edge <= share
+            token_bin = base + token_slot
             learned = bin_rates[token_bin]
-            gain *= min((share if np.isnan(learned) else learned) * request[r], 0.999)
+            gain *= min((share if np.isnan(learned) else learned) * request, 0.999)
             estimated[row, j], planned[row, j] = gain, min(gain * factor, 0.999)
             bins[row, j], priors[row, j] = token_bin, share
+    return planned, estimated, bins, priors
 
 
 MATCH = np.array(MATCH_EDGES)
@@ -234,9 +250,10 @@ def warm_up() -> None:
     # (a step of one row offering two tokens, as `step_gains` passes a step's `StepOffers`)
     one, two = np.zeros(1, dtype=np.int64), np.full(1, 2, dtype=np.int64)
     offered = (two, np.zeros(1, dtype=bool), two, np.ones(1, dtype=bool), np.array([[0.5, 0.25]]))
-    out = (np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2)))
-    rates = np.ones((len(SOURCES), 2))
-    _lookup_gains(one, np.ones(1), (*offered, model._bin_rates, AGREEMENT, MATCH), one, rates, *out)
+    rates, requests = np.ones((len(SOURCES), 2)), model.requests
+    slots = requests.slots(["warm-up"])
+    own_rates = (requests.seen, requests.accepted, requests.trials)
+    out = _lookup_gains(slots, (*offered, model._bin_rates, AGREEMENT, MATCH), one, rates, own_rates)
     StepGains(*out).expected([0], [1])
     model.observe_draft("warm-up", DraftSource.LOOKUP, 1, 1, Calibration(np.zeros(1, np.int64), np.ones(1)))
     model.forget("warm-up")
@@ -446,27 +463,16 @@ class AcceptanceModel:
     def step_gains(self, offers) -> StepGains:
         """`lookup_gains` of every row of a step's offers (`offers.StepOffers`) at once, to the
         last bit: each token's bin and prior from its agreement share, its rate from the bins'
-        array, the products along each row. Python only for the rows that offer a draft."""
-        lengths = offers.lookup_tokens
-        width = int(lengths.max(initial=0))
-        estimated = np.zeros((len(offers), max(width, 1)))
-        bins, priors = np.full(estimated.shape, -1, dtype=np.int64), np.zeros(estimated.shape)
-        rows = np.flatnonzero(lengths)
+        array, the products along each row: one compiled call."""
         slots = self.requests.slots(offers.req_ids)
-        if not len(rows):
-            return StepGains(estimated, estimated, bins, priors, slots)
-        # Per source: its rate and calibration factor; per row: its request's rate over its source's.
+        # Per source: its rate and calibration factor.
         source_rates = np.ones((len(SOURCES), 2))
         for source in LOOKED_UP:
             source_rates[SOURCE_INDEX[source]] = self.rates[source].rate, self.estimate_calibration[source].factor
-        request = self.requests.factors(slots[rows], offers.sources[rows], source_rates[:, 0])
         offered = (offers.lookup_tokens, offers.sampled, offers.match, offers.has_probs, offers.probs)
-        planned = np.zeros_like(estimated)
-        _lookup_gains(
-            rows, request, (*offered, self._bin_rates, AGREEMENT, MATCH), offers.sources, source_rates,
-            planned, estimated, bins, priors,
-        )  # fmt: skip
-        return StepGains(planned, estimated, bins, priors, slots)
+        offered = (*offered, self._bin_rates, AGREEMENT, MATCH)
+        own_rates = (self.requests.seen, self.requests.accepted, self.requests.trials)
+        return StepGains(*_lookup_gains(slots, offered, offers.sources, source_rates, own_rates), slots)
 
     def scaled(self, source: str, estimates: list[float]) -> list[float]:
         """A lookup source's unscaled gains, scaled by what verification bears out of them."""

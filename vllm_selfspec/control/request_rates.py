@@ -63,16 +63,6 @@ class RequestRates(RequestSlots):
             return None
         return min(self.accepted[slot, source] / self.trials[slot, source], MOST_RATE)
 
-    def factors(self, slots: np.ndarray, sources: np.ndarray, overall: np.ndarray) -> np.ndarray:
-        """Each row's own rate of its source over the source's `overall` rate (1 where it has
-        none yet): how this request's drafts fare against its source's."""
-        rate = overall[sources]
-        own, seen = rate.copy(), self.seen[slots, sources]
-        if seen.any():  # (a slot's arrays are unread before its first verified draft)
-            slots, sources = slots[seen], sources[seen]
-            own[seen] = np.minimum(self.accepted[slots, sources] / self.trials[slots, sources], MOST_RATE)
-        return own / rate
-
 
 PREDICTION_SOURCE, SELF_SOURCE = 2, 3  # (their indices in `acceptance.SOURCES`)
 

@@ -574,7 +574,8 @@ class TenantHistories:
         found = self.returning.get(key)
         return found if found is not None else self.newcomers.get(key)
 
-    def add(self, tenant, output: np.ndarray) -> None:
+    def add(self, tenant, output) -> None:
+        """An output (token ids) for the tenant's pool, if it has one."""
         key = self.key(tenant)
         if key is _NO_POOL:
             return

@@ -19,8 +19,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-
 from vllm_selfspec.control import DraftSource
 from vllm_selfspec.control.acceptance import SOURCE_INDEX
 from vllm_selfspec.operations import fail_safe
@@ -230,7 +228,7 @@ class RowLookup:
             and request.output_token_ids
             and not (params is not None and params.stop)
         ):
-            self.history.add(tenant, np.array(request.output_token_ids))
+            self.history.add(tenant, request.output_token_ids)  # (read only where it has a pool)
 
     def forget_history(self) -> None:
         """Forget every earlier output (vLLM reset its prefix cache, or the worker sleeps)."""
