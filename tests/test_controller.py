@@ -82,6 +82,39 @@ def test_the_compiled_lookup_drafts_what_the_rule_in_numpy_drafts():
     assert drafts > 1000 and long_matches > 20  # mostly drafts compared, some of long matches
 
 
+def test_the_compiled_lookup_follows_many_occurrences_as_the_rule_in_numpy_does():
+    """Contexts and corpora where the last token occurs 33 to 256 times (up to the followed
+    cap, which the numpy rule does not apply): the compiled lookup sorts its keys another way
+    past 32 of them, and packs each occurrence's place into its key's low bits."""
+    from vllm_selfspec.sources.lookup import MAX_OCCURRENCES_FOLLOWED
+
+    rng = np.random.default_rng(3)
+    many = drafts = 0
+    for _ in range(120):
+        # A frequent token (1) between others, mostly followed by the same one (2): short
+        # matches, so the draft of one matching token, over every occurrence, is the best.
+        def text(length: int) -> np.ndarray:
+            tokens = rng.integers(3, 1000, length)
+            tokens[1::3] = 1
+            tokens[2::3] = np.where(rng.random(len(tokens[2::3])) < 0.7, 2, tokens[2::3])
+            return tokens
+
+        context = np.append(text(int(rng.integers(100, 700))), 1).astype(np.int32)
+        corpus = text(int(rng.integers(100, 700)))
+        corpus[rng.random(len(corpus)) < 0.02] = SEPARATOR
+        for source in (None, corpus):
+            searched = context[:-1] if source is None else source[:-1]
+            occurrences = int((searched == context[-1]).sum())
+            if not 32 < occurrences <= MAX_OCCURRENCES_FOLLOWED:
+                continue
+            got = suffix_draft(context, 8, source, 24, 0.05)
+            want = numpy_suffix_draft(context.astype(np.int64), 8, source, 24, 0.05)
+            assert (got.tokens.tolist(), got.probs, got.match) == (want.tokens.tolist(), want.probs, want.match)
+            many += 1
+            drafts += len(got) > 0
+    assert many > 100 and drafts > 50, (many, drafts)
+
+
 def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
     """`context_drafts` reads the rows in place, as vLLM holds them, and looks up again, for
     the full budget, a capped draft that copies (`RowLookup._lookup`'s rule)."""
@@ -1462,7 +1495,6 @@ def test_the_compiled_plan_is_the_plan_python_makes():
     and predictions, may self-draft or not, probed or not; with prompts waiting, draining, the
     per-row rule on and off. Every layout to the last bit, every plan alike, and the steps
     cover each outcome of the layout."""
-    import copy
     import dataclasses
     import random
 
@@ -1501,14 +1533,17 @@ def test_the_compiled_plan_is_the_plan_python_makes():
             )
         when = {"draining": rng.random() < 0.15, "prompts_waiting": rng.random() < 0.2}
         budget, protect = rng.choice([0, 4]), rng.random() < 0.8
-        plans, layouts = [], []
-        for controller in controllers.values():
-            controller.planner.protect_rows = protect
-            batch = StepOffers.of(offers)
+        plans, layouts, batch = [], [], StepOffers.of(offers)
+        for compiled, controller in controllers.items():
+            planner = controller.planner
+            planner.protect_rows = protect
             gains = controller.acceptance.step_gains(batch)
-            planner = copy.deepcopy(controller.planner)  # (laying out changes nothing: checked below)
             layouts.append(planner.lay_out(batch, gains, planner.costs.target(), when["prompts_waiting"], True))
             plans.append(controller.plan(batch, self_budget=budget, gains=gains, **when))
+            if compiled:  # (rows trusted by the bins their tokens fall in, not by their own drafts)
+                acceptance = controller.acceptance
+                own = acceptance.requests.trusted[gains.slots]
+                trusted_by_bins += int((acceptance.trusted_rows(batch, gains) & ~own).sum())
         compiled, python = (
             {k: v.tolist() if hasattr(v, "tolist") else v for k, v in x._asdict().items()} for x in layouts
         )
@@ -1531,10 +1566,6 @@ def test_the_compiled_plan_is_the_plan_python_makes():
                     estimated = sum(acceptance.lookup_gains(o, scaled=False))
                     bins = acceptance.calibration(o)
                     acceptance.observe_draft("other", o.lookup_source, verified, accepted_tokens, bins, estimated)
-        trusted_by_bins += sum(
-            controllers[True].acceptance.trusted_rows(batch, gains)
-            & ~controllers[True].acceptance.requests.trusted[gains.slots]
-        )
     assert min(outcomes.values()) > 25 and self_drafted > 20 and trusted_by_bins > 100, (
         outcomes,
         self_drafted,

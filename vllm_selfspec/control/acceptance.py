@@ -221,7 +221,7 @@ def _lookup_gains(slots, offered, sources, source_rates, own_rates):
             own = accepted[slot, source] / trials[slot, source]
             if own > MOST_RATE:  # (np.minimum's: NaN stays NaN)
                 own = MOST_RATE
-        request = own / rate
+        request = own / rate if rate != 0.0 else (np.inf if own > 0 else np.nan)  # (NumPy's x / 0, not a raise)
         match_bucket = 0
         for edge in match_edges:
             match_bucket += edge <= match[row]

@@ -21,7 +21,7 @@ products of rates below 1), so that a row's tokens are taken shallowest first. I
 
 `steady_lookup_plan` is a steady step's whole lookup plan in one call: each row's price, plain
 decoding's seconds, the rows that would rather self-draft, each row's trust and due, the sign
-that every token binds, and the greedy above (`DraftPlanner.lay_out` in Python, the reference).
+that every token binds, and the greedy above (`DraftPlanner._lay_out_in_python`, the reference).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def _give_back(cost, depth, due, lengths, taken_tokens, taken, tokens, seconds, 
 
 @compiled
 def steady_lookup_plan(offers, gains, step, self_drafting, limits, rule):
-    """A steady step's lookup plan, as `DraftPlanner.lay_out` makes it in Python, to the last
+    """A steady step's lookup plan, as `DraftPlanner._lay_out_in_python` makes it, to the last
     bit: (each row's price per token, plain decoding's seconds, the rows that would rather
     self-draft, their prices summed, their tokens left summed, whether any row offers a lookup
     draft, what the lookup plan came to, its lengths, tokens and seconds). What it came to: 0,
@@ -259,10 +259,12 @@ def steady_lookup_plan(offers, gains, step, self_drafting, limits, rule):
     protected = protect and rows > 1
     trusted = np.zeros(rows)
     if protected:
-        cheapest = np.inf
+        cheapest = np.inf  # (the offered rows' lowest price; NaN if any is, as NumPy's `min`)
         for i in range(rows):
-            if offered[i] > 0 and cost[i] < cheapest:
+            if offered[i] > 0 and (cost[i] < cheapest or np.isnan(cost[i])):
                 cheapest = cost[i]
+                if np.isnan(cheapest):
+                    break
         blocking, blocking_unoffered = 0, False
         for i in range(rows):
             own = own_trusted[slots[i]]

@@ -304,7 +304,8 @@ class DraftPlanner:
         lookup drafts alone if `plan`. (In Python, token by token, if not `compiled_lookup_plan`.)"""
         if not self.compiled_lookup_plan:
             return self._lay_out_in_python(offers, step_gains, step, prompts_waiting, plan)
-        protect = plan and self.protect_rows and len(offers) > 1
+        # (the rule's inputs are read only where some row offers a draft: the kernel plans only then)
+        protect = plan and self.protect_rows and len(offers) > 1 and bool(offers.lookup_tokens.any())
         if protect:
             ahead = np.array(self.ledger.ahead(offers.req_ids), dtype=np.float64)
             rule = (True, *self.acceptance.trust_rule(offers, step_gains), ahead)
@@ -327,7 +328,7 @@ class DraftPlanner:
         """`lay_out` row by row and token by token: the compiled kernel's reference."""
         cost = np.maximum(step.t_row + step.t_sampled * offers.sampled + step.t_context * offers.context / 1000, 1e-9)
         prices, gains = cost.tolist(), step_gains.planned
-        plain_seconds = step.t0 + sum(prices)
+        plain_seconds = step.t0 + in_order(prices)
         # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
         # than a self-draft's.
         rather_self = offers.lookup_tokens == 0
@@ -337,7 +338,7 @@ class DraftPlanner:
             rather_self &= offers.has_mask
         self_mask = offers.can_self_draft & rather_self
         self_rows = np.flatnonzero(self_mask).tolist()
-        self_cost, self_left = sum(prices[i] for i in self_rows), sum(offers.remaining[self_rows].tolist())
+        self_cost, self_left = in_order(prices[i] for i in self_rows), in_order(offers.remaining[self_rows].tolist())
         offered = bool(offers.lookup_tokens.any())
         nothing = np.zeros(0, dtype=np.int64)
         laid = StepLayout(cost, plain_seconds, self_mask, self_cost, self_left, offered, NOT_MADE, nothing, 0.0, 0.0)
@@ -465,7 +466,7 @@ def compiled_lookup_choice(offers: StepOffers, gains, cost, start, max_seconds, 
 def self_token_seconds(costs: StepCostModel, cost, self_rows) -> float:
     """Seconds one self-draft token in each of `self_rows` adds: their verification, and a
     draft step over them."""
-    return sum(cost[i] for i in self_rows) + costs.self_step_seconds(len(self_rows))
+    return in_order(cost[i] for i in self_rows) + costs.self_step_seconds(len(self_rows))
 
 
 def unpaid_probes(costs: StepCostModel, offers: StepOffers, self_rows, without_self: Choice, with_self: Choice):
@@ -504,7 +505,7 @@ def retry_step_seconds(costs: StepCostModel, offers: StepOffers, cost, step, row
     """What a one-token self-draft retry over `rows` adds to a step: the draft step, its probe
     if the rows have no mask yet, and their verification."""
     draft_step = costs.self_step_seconds(len(rows))
-    return draft_step + probe_seconds(costs, offers, rows) + sum(cost[i] for i in rows) + step.t_verify
+    return draft_step + probe_seconds(costs, offers, rows) + in_order(cost[i] for i in rows) + step.t_verify
 
 
 def probe_seconds(costs: StepCostModel, offers: StepOffers, rows) -> float:
@@ -563,6 +564,15 @@ def allowed_without_drafts(t_plain: float, credited, ahead):
     draft's seconds: its slack, what it is credited and what it is ahead (floats, or arrays of
     them, alike to the last bit)."""
     return t_plain * ((1 + credited) / (1 - ROW_SLACK) - 1) + ahead
+
+
+def in_order(values) -> float:
+    """Floats summed left to right, as the compiled plan sums them, on every Python (the builtin
+    `sum` compensates its rounding from Python 3.12 on)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def beats_by_margin(tokens_per_second: float, rate: float) -> bool:

@@ -320,10 +320,10 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
     following works in a few scratch arrays made once a call, not in arrays made per token."""
     no_draft = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0)
     n = len(context)
-    if len(ends) == 0:
+    longest = min(max_match, n)
+    if len(ends) == 0 or longest < 1 or max_tokens < 1:
         return no_draft
     # lengths[i]: how many of the context's last tokens match the corpus, ending at ends[i].
-    longest = min(max_match, n)
     lengths = np.ones(len(ends), dtype=np.int64)
     for i in range(len(ends)):
         k = 1
@@ -339,7 +339,8 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
     # Scratch: the occurrences followed so far (corpus order), and each one's next token as a
     # sort key, the token's bits above its place among them (shifts: a division per key cost
     # more than the rest of the lookup), so that sorted keys group the occurrences by next
-    # token, the latest last.
+    # token, the latest last. The keys are distinct, so any sort orders them alike. (A token id
+    # must be below 2**55 to fit: vocabularies are far smaller.)
     occurrences, keys = np.empty(counted, dtype=np.int64), np.empty(counted, dtype=np.int64)
     steps_most = min(max_tokens, longest)
     tokens, probs = np.zeros(steps_most, dtype=np.int64), np.zeros(steps_most, dtype=np.float64)
