@@ -618,6 +618,31 @@ def settle(controller, accepted):
     controller.observe_rows(accepted)
 
 
+def test_a_busy_steps_rows_settle_as_arrays_as_they_do_one_by_one():
+    """The ledger settles a step of many rows as arrays (`row_ledger.settled_by_arrays`), of a
+    few one by one: the same ledger to the last bit, rows gone from the batch dropped, what is
+    carried clamped at both bounds."""
+    import random
+
+    from vllm_selfspec.control.row_ledger import PlannedStep, settled_by_arrays, settled_by_rows
+
+    rng = random.Random(4)
+    clamped = dropped = 0
+    for _ in range(300):
+        req_ids = tuple(f"r{i}" for i in range(rng.randint(0, 300)))
+        plain = rng.uniform(0.005, 0.05)
+        step = PlannedStep(req_ids, plain, plain * rng.uniform(0.9, 1.6))
+        ahead = {r: rng.uniform(-0.5, 9) * plain for r in req_ids if rng.random() < 0.7}
+        accepted = {r: rng.randint(0, 8) for r in req_ids if rng.random() < 0.95}
+        due, bounds = plain / (1 - 0.02), (-0.25 * plain, 8 * plain)
+        by_rows = settled_by_rows(ahead, step, accepted, due, bounds)
+        assert settled_by_arrays(ahead, step, accepted, due, bounds) == by_rows
+        assert list(by_rows) == [r for r in req_ids if r in accepted]
+        clamped += sum(v in bounds for v in by_rows.values())
+        dropped += len(req_ids) - len(by_rows)
+    assert clamped > 100 and dropped > 100, (clamped, dropped)
+
+
 def test_a_row_ahead_of_plain_pays_for_its_neighbours_drafts_and_one_behind_allows_less():
     """The per-row rule's ledger (`row_ledger`): a chat row beside a sure draft allows only the
     slack in a step. After steps in which it gained (its own drafts accepted), it lets the step

@@ -21,7 +21,7 @@ products of rates below 1), so that a row's tokens are taken shallowest first. I
 
 `steady_lookup_plan` is a steady step's whole lookup plan in one call: each row's price, plain
 decoding's seconds, the rows that would rather self-draft, each row's trust and due, the sign
-that every token binds, and the greedy above (`DraftPlanner._lay_out_in_python`, the reference).
+that every token binds, and the greedy above (`planner.lay_out_in_python`, the reference).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def _give_back(cost, depth, due, lengths, taken_tokens, taken, tokens, seconds, 
 
 @compiled
 def steady_lookup_plan(offers, gains, step, self_drafting, limits, rule):
-    """A steady step's lookup plan, as `DraftPlanner._lay_out_in_python` makes it, to the last
+    """A steady step's lookup plan, as `planner.lay_out_in_python` makes it, to the last
     bit: (each row's price per token, plain decoding's seconds, the rows that would rather
     self-draft, their prices summed, their tokens left summed, whether any row offers a lookup
     draft, what the lookup plan came to, its lengths, tokens and seconds). What it came to: 0,

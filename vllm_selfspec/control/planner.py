@@ -303,7 +303,7 @@ class DraftPlanner:
         """What a plan starts from (`StepLayout`), in one compiled call; with the steady plan of
         lookup drafts alone if `plan`. (In Python, token by token, if not `compiled_lookup_plan`.)"""
         if not self.compiled_lookup_plan:
-            return self._lay_out_in_python(offers, step_gains, step, prompts_waiting, plan)
+            return lay_out_in_python(self, offers, step_gains, step, prompts_waiting, plan)
         # (the rule's inputs are read only where some row offers a draft: the kernel plans only then)
         protect = plan and self.protect_rows and len(offers) > 1 and bool(offers.lookup_tokens.any())
         if protect:
@@ -323,40 +323,6 @@ class DraftPlanner:
             rule,
         )  # fmt: skip
         return StepLayout(*laid)
-
-    def _lay_out_in_python(self, offers, step_gains, step, prompts_waiting: bool, plan: bool) -> StepLayout:
-        """`lay_out` row by row and token by token: the compiled kernel's reference."""
-        cost = np.maximum(step.t_row + step.t_sampled * offers.sampled + step.t_context * offers.context / 1000, 1e-9)
-        prices, gains = cost.tolist(), step_gains.planned
-        plain_seconds = step.t0 + in_order(prices)
-        # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
-        # than a self-draft's.
-        rather_self = offers.lookup_tokens == 0
-        if self.costs.self_step_measured:
-            rather_self |= gains[:, 0] < self.acceptance.self_rate
-        if prompts_waiting:  # a probe costs a few target steps, past any slack: measured rows only
-            rather_self &= offers.has_mask
-        self_mask = offers.can_self_draft & rather_self
-        self_rows = np.flatnonzero(self_mask).tolist()
-        self_cost, self_left = in_order(prices[i] for i in self_rows), in_order(offers.remaining[self_rows].tolist())
-        offered = bool(offers.lookup_tokens.any())
-        nothing = np.zeros(0, dtype=np.int64)
-        laid = StepLayout(cost, plain_seconds, self_mask, self_cost, self_left, offered, NOT_MADE, nothing, 0.0, 0.0)
-        if not (plan and offered):
-            return laid
-        max_seconds = plain_seconds * (1 + FIRST_TOKEN_SLACK) if prompts_waiting else math.inf
-        protected = None
-        if self.protect_rows and len(offers) > 1:
-            trusted = self.acceptance.trusted_rows(offers, step_gains)
-            protected = row_due(self.ledger, trusted, offers, plain_seconds, step.t_verify)
-            if every_lookup_token_binds(protected, offers, prices):
-                return laid._replace(lookup_plan=EVERY_TOKEN_BINDS)
-        verifying = (float(len(offers)), plain_seconds + step.t_verify)
-        choice = self._greedy(offers, gains, prices, verifying, max_seconds=max_seconds, protected=protected)
-        lengths = np.array(choice.lookup_lengths, dtype=np.int64)
-        return laid._replace(
-            lookup_plan=MADE, lookup_lengths=lengths, lookup_tokens=choice.tokens, lookup_seconds=choice.seconds
-        )
 
     def _greedy(
         self,
@@ -422,6 +388,41 @@ class DraftPlanner:
             choice.self_rows = set()
         choice.tokens, choice.seconds = tokens, seconds
         return choice
+
+
+def lay_out_in_python(planner: DraftPlanner, offers, step_gains, step, prompts_waiting: bool, plan: bool) -> StepLayout:
+    """`DraftPlanner.lay_out` row by row and token by token: the compiled kernel's reference."""
+    cost = np.maximum(step.t_row + step.t_sampled * offers.sampled + step.t_context * offers.context / 1000, 1e-9)
+    prices, gains = cost.tolist(), step_gains.planned
+    plain_seconds = step.t0 + in_order(prices)
+    # Rows that would rather self-draft: no lookup draft, or a first lookup token less likely
+    # than a self-draft's.
+    rather_self = offers.lookup_tokens == 0
+    if planner.costs.self_step_measured:
+        rather_self |= gains[:, 0] < planner.acceptance.self_rate
+    if prompts_waiting:  # a probe costs a few target steps, past any slack: measured rows only
+        rather_self &= offers.has_mask
+    self_mask = offers.can_self_draft & rather_self
+    self_rows = np.flatnonzero(self_mask).tolist()
+    self_cost, self_left = in_order(prices[i] for i in self_rows), in_order(offers.remaining[self_rows].tolist())
+    offered = bool(offers.lookup_tokens.any())
+    nothing = np.zeros(0, dtype=np.int64)
+    laid = StepLayout(cost, plain_seconds, self_mask, self_cost, self_left, offered, NOT_MADE, nothing, 0.0, 0.0)
+    if not (plan and offered):
+        return laid
+    max_seconds = plain_seconds * (1 + FIRST_TOKEN_SLACK) if prompts_waiting else math.inf
+    protected = None
+    if planner.protect_rows and len(offers) > 1:
+        trusted = planner.acceptance.trusted_rows(offers, step_gains)
+        protected = row_due(planner.ledger, trusted, offers, plain_seconds, step.t_verify)
+        if every_lookup_token_binds(protected, offers, prices):
+            return laid._replace(lookup_plan=EVERY_TOKEN_BINDS)
+    verifying = (float(len(offers)), plain_seconds + step.t_verify)
+    choice = planner._greedy(offers, gains, prices, verifying, max_seconds=max_seconds, protected=protected)
+    lengths = np.array(choice.lookup_lengths, dtype=np.int64)
+    return laid._replace(
+        lookup_plan=MADE, lookup_lengths=lengths, lookup_tokens=choice.tokens, lookup_seconds=choice.seconds
+    )
 
 
 def row_due(ledger: RowLedger, trusted: np.ndarray, offers: StepOffers, t_plain: float, t_verify: float) -> RowDue:

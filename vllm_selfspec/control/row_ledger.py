@@ -55,15 +55,9 @@ class RowLedger:
             self._ahead = {req_id: self._ahead[req_id] for req_id in accepted if req_id in self._ahead}
             return
         due = step.plain_seconds / (1 - self.slack)
-        low, high = -MOST_BEHIND * step.plain_seconds, MOST_AHEAD * step.plain_seconds
-        # (as arrays, a row each: a busy server settles hundreds of rows every step)
-        rows = len(step.req_ids)
-        tokens = np.fromiter(map(accepted.get, step.req_ids, repeat(-1)), dtype=np.int64, count=rows)
-        ahead = np.fromiter(map(self._ahead.get, step.req_ids, repeat(0.0)), dtype=np.float64, count=rows)
-        settled = np.minimum(np.maximum(ahead + (1 + tokens) * due - step.planned_seconds, low), high)
-        kept = tokens >= 0  # (the rows of the step still in the batch)
-        req_ids = step.req_ids if kept.all() else [r for r, k in zip(step.req_ids, kept.tolist()) if k]
-        self._ahead = dict(zip(req_ids, settled[kept].tolist()))
+        bounds = (-MOST_BEHIND * step.plain_seconds, MOST_AHEAD * step.plain_seconds)
+        settle_rows = settled_by_arrays if len(step.req_ids) > FEW_ROWS else settled_by_rows
+        self._ahead = settle_rows(self._ahead, step, accepted, due, bounds)
 
     def ahead(self, req_ids: list[str]) -> list[float]:
         """Per row, the seconds it is ahead of the slackened pace (negative: behind)."""
@@ -80,3 +74,31 @@ class RowLedger:
 
     def __len__(self) -> int:
         return len(self._ahead)
+
+
+# Up to this many rows a step's rows are settled one by one; past it, as arrays (whose NumPy calls
+# cost more than a few rows' Python, and far less than hundreds of rows').
+FEW_ROWS = 48
+
+
+def settled_by_rows(ahead: dict, step: PlannedStep, accepted: dict, due: float, bounds: tuple) -> dict[str, float]:
+    """Each row of `step` still in the batch (in `accepted`), credited what plain decoding would
+    have spent on its tokens and charged the planned step, within `bounds`: the new ledger."""
+    low, high = bounds
+    settled = {
+        req_id: ahead.get(req_id, 0.0) + (1 + accepted[req_id]) * due - step.planned_seconds
+        for req_id in step.req_ids
+        if req_id in accepted
+    }
+    return {req_id: min(max(seconds, low), high) for req_id, seconds in settled.items()}
+
+
+def settled_by_arrays(ahead: dict, step: PlannedStep, accepted: dict, due: float, bounds: tuple) -> dict[str, float]:
+    """`settled_by_rows` as arrays, a row each, to the last bit."""
+    rows = len(step.req_ids)
+    tokens = np.fromiter(map(accepted.get, step.req_ids, repeat(-1)), dtype=np.int64, count=rows)
+    before = np.fromiter(map(ahead.get, step.req_ids, repeat(0.0)), dtype=np.float64, count=rows)
+    settled = np.minimum(np.maximum(before + (1 + tokens) * due - step.planned_seconds, bounds[0]), bounds[1])
+    kept = tokens >= 0  # (the rows of the step still in the batch: accepted counts are never negative)
+    req_ids = step.req_ids if kept.all() else [r for r, k in zip(step.req_ids, kept.tolist()) if k]
+    return dict(zip(req_ids, settled[kept].tolist()))

@@ -226,19 +226,18 @@ class StepView:
         scheduled = list(out.num_scheduled_tokens)
         drafts = {r: len(d) for r, d in out.scheduled_spec_decode_tokens.items() if r in out.num_scheduled_tokens}
         draft_tokens = sum(drafts.values())
-        # Per scheduled request: its logit rows, whether it samples, and its row in the batch
-        # (each read by `map`, not a Python loop: a busy server schedules hundreds a step).
-        n = len(scheduled)
-        logits = np.ones(n, dtype=np.int64)
+        # Per scheduled request: its logit rows, whether it samples, and its row in the batch.
+        logits = np.ones(len(scheduled), dtype=np.int64)
         if drafts:
-            logits += np.fromiter(map(drafts.get, scheduled, itertools.repeat(0)), dtype=np.int64, count=n)
-        slots = np.fromiter(map(self.facts.slot_of.get, scheduled, itertools.repeat(-1)), dtype=np.int64, count=n)
-        if (slots < 0).any():  # (a request not read yet: one that sampled nothing, a partial prefill)
+            logits += np.array([drafts.get(r, 0) for r in scheduled], dtype=np.int64)
+        slot_of = self.facts.slot_of
+        slots = [slot_of.get(r, -1) for r in scheduled]
+        if -1 in slots:  # (a request not read yet: one that sampled nothing, a partial prefill)
             samples = np.array([self.samples(r) for r in scheduled], dtype=bool)
         else:
             samples = self.facts.sampled[slots]
         index = self.batch.req_id_to_index
-        at = np.fromiter(map(index.get, scheduled, itertools.repeat(-1)), dtype=np.int64, count=n)
+        at = np.array([index.get(r, -1) for r in scheduled], dtype=np.int64)
         held = at >= 0
         context_read = int(logits[held] @ self.batch.num_tokens_no_spec[at[held]].astype(np.int64))
         return StepShape(
