@@ -1599,6 +1599,33 @@ def test_the_compiled_plan_is_the_plan_python_makes():
     assert dataclasses.asdict(controllers[True].planner.ledger) == dataclasses.asdict(controllers[False].planner.ledger)
 
 
+def test_the_compiled_plan_checks_every_index_before_it_reads():
+    """The kernel reads the step's arrays in place, and numba checks no index: a slot outside
+    the trust array, a bin outside the bins, gains narrower than a draft or offers of different
+    lengths raise before anything is read (the fail-safe then costs the step its drafts)."""
+    from vllm_selfspec.control.lookup_plan import steady_lookup_plan
+
+    rows, offered = 3, np.array([2, 0, 1], dtype=np.int64)
+    flags = np.ones(rows, dtype=bool)
+    offers = (offered, flags, np.full(rows, 100, dtype=np.int64), flags, ~flags, np.full(rows, np.inf), offered)
+    gains, bins = np.full((rows, 2), 0.5), np.zeros((rows, 2), dtype=np.int64)
+    rule = (True, flags, np.arange(rows, dtype=np.int64), bins, np.full(4, 99, dtype=np.int64), 16, 2, np.zeros(rows))
+    args = (gains, (1e-3, 1e-4, 0.0, 0.0, 1e-3), (0.5, True, False, True), (0.2, 0.02, 0.05))
+    assert steady_lookup_plan(offers, *args, rule)[6] == 1  # (well formed: a plan is made)
+    bad_rules = (
+        rule[:2] + (np.array([0, 1, 3], dtype=np.int64),) + rule[3:],  # a slot past the trust array
+        rule[:3] + (np.full((rows, 2), 4, dtype=np.int64),) + rule[4:],  # a bin past the bins
+        rule[:7] + (np.zeros(2),),  # ahead of another length
+    )
+    for bad in bad_rules:
+        with pytest.raises(IndexError):
+            steady_lookup_plan(offers, *args, bad)
+    with pytest.raises(IndexError):  # gains narrower than a row's draft
+        steady_lookup_plan(offers, gains[:, :1].copy(), *args[1:], rule)
+    with pytest.raises(IndexError):  # offers of different lengths
+        steady_lookup_plan((offered, flags[:2], *offers[2:]), *args, rule)
+
+
 def gain_table(rows: list[list[float]]) -> np.ndarray:
     """Rows of lookup gains as the planner takes them: a step's table, 0 past each row's draft."""
     table = np.zeros((len(rows), max(max(map(len, rows), default=0), 1)))

@@ -239,6 +239,7 @@ def steady_lookup_plan(offers, gains, step, self_drafting, limits, rule):
     margin, row_slack, first_token_slack = limits
     protect, own_trusted, slots, bins, bin_verified, trusted_at, prediction, ahead = rule
     rows = len(offered)
+    _check_indices(offers, gains, protect and rows > 1, rule)
     cost, self_rows = np.empty(rows), np.zeros(rows, dtype=np.bool_)
     summed, self_cost, self_left, any_offered = 0.0, 0.0, 0.0, False
     for i in range(rows):
@@ -287,3 +288,29 @@ def steady_lookup_plan(offers, gains, step, self_drafting, limits, rule):
         gains, offered, cost, float(rows), plain_seconds + t_verify, max_seconds, margin, protected, due
     )
     return cost, plain_seconds, self_rows, self_cost, self_left, any_offered, 1, lengths, tokens, seconds
+
+
+@compiled
+def _check_indices(offers, gains, protected, rule):
+    """Raise if `steady_lookup_plan` would read outside its arrays (numba checks no index, and
+    the kernel reads the step's arrays in place)."""
+    offered, sampled, context, can_self_draft, has_mask, remaining, sources = offers
+    rows = len(offered)
+    lengths = (len(sampled), len(context), len(can_self_draft), len(has_mask), len(remaining), len(sources))
+    if min(lengths) != rows or max(lengths) != rows:
+        raise IndexError("a step's offers of different lengths")
+    widest = 1
+    for i in range(rows):
+        widest = max(widest, offered[i])
+    if gains.shape[0] != rows or gains.shape[1] < widest:
+        raise IndexError("gains narrower than a row's lookup draft")
+    if protected:
+        _, own_trusted, slots, bins, bin_verified, _, _, ahead = rule
+        if len(slots) != rows or len(ahead) != rows or bins.shape[0] != rows:
+            raise IndexError("the per-row rule's arrays of another length than the step's")
+        for i in range(rows):
+            if not 0 <= slots[i] < len(own_trusted):
+                raise IndexError("a row's request slot outside the trust array")
+            for j in range(bins.shape[1]):
+                if bins[i, j] >= len(bin_verified):
+                    raise IndexError("a token's bin outside the bins")
