@@ -115,8 +115,10 @@ class StepLayout(NamedTuple):
 
 NOT_MADE, MADE, EVERY_TOKEN_BINDS = 0, 1, 2
 # The per-row rule's inputs where it does not apply (the kernel's one signature).
-NO_RULE = (False, np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64), np.zeros((0, 1), dtype=np.int64))
-NO_RULE_REST = (np.zeros(0, dtype=np.int64), 0, 0, np.zeros(0))
+NO_RULE = (
+    False, np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64), np.zeros((0, 1), dtype=np.int64),
+    np.zeros(0, dtype=np.int64), 0, 0, np.zeros(0),
+)  # fmt: skip
 
 
 class RowProtection:
@@ -302,27 +304,8 @@ class DraftPlanner:
     def lay_out(self, offers: StepOffers, step_gains: StepGains, step, prompts_waiting: bool, plan: bool) -> StepLayout:
         """What a plan starts from (`StepLayout`), in one compiled call; with the steady plan of
         lookup drafts alone if `plan`. (In Python, token by token, if not `compiled_lookup_plan`.)"""
-        if not self.compiled_lookup_plan:
-            return lay_out_in_python(self, offers, step_gains, step, prompts_waiting, plan)
-        # (the rule's inputs are read only where some row offers a draft: the kernel plans only then)
-        protect = plan and self.protect_rows and len(offers) > 1 and bool(offers.lookup_tokens.any())
-        if protect:
-            ahead = np.array(self.ledger.ahead(offers.req_ids), dtype=np.float64)
-            rule = (True, *self.acceptance.trust_rule(offers, step_gains), ahead)
-        else:
-            rule = (*NO_RULE, *NO_RULE_REST)
-        laid = steady_lookup_plan(
-            (
-                offers.lookup_tokens, offers.sampled, offers.context, offers.can_self_draft, offers.has_mask,
-                offers.remaining, offers.sources,
-            ),
-            step_gains.planned,
-            (step.t0, step.t_row, step.t_sampled, step.t_context, step.t_verify),
-            (self.acceptance.self_rate, self.costs.self_step_measured, prompts_waiting, plan),
-            (DRAFT_MARGIN, ROW_SLACK, FIRST_TOKEN_SLACK),
-            rule,
-        )  # fmt: skip
-        return StepLayout(*laid)
+        lay_out_by = lay_out_compiled if self.compiled_lookup_plan else lay_out_in_python
+        return lay_out_by(self, offers, step_gains, step, prompts_waiting, plan)
 
     def _greedy(
         self,
@@ -388,6 +371,29 @@ class DraftPlanner:
             choice.self_rows = set()
         choice.tokens, choice.seconds = tokens, seconds
         return choice
+
+
+def lay_out_compiled(planner: DraftPlanner, offers, step_gains, step, prompts_waiting: bool, plan: bool) -> StepLayout:
+    """`DraftPlanner.lay_out` by one call of the compiled kernel (`lookup_plan.steady_lookup_plan`)."""
+    # (the rule's inputs are read only where some row offers a draft: the kernel plans only then)
+    protect = plan and planner.protect_rows and len(offers) > 1 and bool(offers.lookup_tokens.any())
+    if protect:
+        ahead = np.array(planner.ledger.ahead(offers.req_ids), dtype=np.float64)
+        rule = (True, *planner.acceptance.trust_rule(offers, step_gains), ahead)
+    else:
+        rule = NO_RULE
+    laid = steady_lookup_plan(
+        (
+            offers.lookup_tokens, offers.sampled, offers.context, offers.can_self_draft, offers.has_mask,
+            offers.remaining, offers.sources,
+        ),
+        step_gains.planned,
+        (step.t0, step.t_row, step.t_sampled, step.t_context, step.t_verify),
+        (planner.acceptance.self_rate, planner.costs.self_step_measured, prompts_waiting, plan),
+        (DRAFT_MARGIN, ROW_SLACK, FIRST_TOKEN_SLACK),
+        rule,
+    )  # fmt: skip
+    return StepLayout(*laid)
 
 
 def lay_out_in_python(planner: DraftPlanner, offers, step_gains, step, prompts_waiting: bool, plan: bool) -> StepLayout:
