@@ -77,3 +77,24 @@ def test_an_exact_line_is_fitted():
         cost.observe((rows,), 2.0 + 0.5 * rows)
     intercept, (per_row,) = cost._solve()
     assert intercept == pytest.approx(2.0, rel=1e-2) and per_row == pytest.approx(0.5, rel=1e-2)
+
+
+def test_the_sums_update_in_one_call_is_numpys_to_the_last_bit():
+    """`add_decayed` against the four NumPy calls it replaced (`sums *= decay; sums +=
+    np.outer(z, z)`), over features of every scale the fit meets, the first update included."""
+    from vllm_selfspec.control.cost_fit import add_decayed
+
+    rng = np.random.default_rng(7)
+    for k in (1, 6):
+        compiled, by_numpy = np.zeros((k + 2, k + 2)), None
+        for step in range(500):
+            features = rng.random(k) * rng.choice([0, 1e-3, 1, 1e3, 1e6], size=k)
+            seconds = float(rng.random() * rng.choice([1e-4, 1e-2, 1.0]))
+            z = np.concatenate(([1.0], features, [seconds]))
+            if by_numpy is None:
+                by_numpy = np.outer(z, z)
+            else:
+                by_numpy *= 0.98
+                by_numpy += np.outer(z, z)
+            add_decayed(compiled, features, seconds, 0.98 if step else 0.0)
+            assert np.array_equal(compiled, by_numpy), step

@@ -381,3 +381,56 @@ def test_a_steps_rows_read_at_once_are_each_row_read_alone():
     assert compared > 150 and ended > 10 and set(table.slot_of) <= set(live)  # (nothing kept of an ended request)
     held = [stop_id for slot in table.slot_of.values() for stop_id in table.stop_ids[slot]]
     assert table.every_stop_id == {stop_id: held.count(stop_id) for stop_id in set(held)}
+
+
+def test_a_steps_shape_counts_what_the_step_computed():
+    """`StepView.shape` against each scheduled request counted alone: its prompt tokens, its
+    logit rows (one, plus one per draft token, the scheduler's -1 padding included), those of
+    requests that sample, and the context each logit row attends over; with requests whose
+    facts were not read yet (a partial prefill samples nothing) and drafts of requests the
+    step did not schedule."""
+    import random
+
+    import numpy as np
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_selfspec.vllm_integration.runner_state import RequestTable, StepShape, StepView
+
+    rng = random.Random(5)
+    table = RequestTable()
+    for step_index in range(40):
+        req_ids = [f"s{step_index}-{i}" for i in range(rng.randint(1, 40))]
+        requests = {}
+        for req_id in req_ids:
+            params = SamplingParams(max_tokens=64, temperature=rng.choice([0.0, 0.0, 0.7]))
+            requests[req_id] = SimpleNamespace(sampling_params=params, output_token_ids=[])
+        read = [r for r in req_ids if rng.random() < 0.8]  # (the rest: not read yet)
+        table.slots(read, requests)
+        context = np.array([rng.randint(1, 4000) for _ in req_ids], dtype=np.int32)
+        prompt_chunk = {r: rng.randint(2, 300) for r in req_ids if r not in read and rng.random() < 0.5}
+        drafts = {r: [5] * rng.randint(1, 8) + [-1] * rng.randint(0, 2) for r in read if rng.random() < 0.5}
+        drafts["elsewhere"] = [5, 5]  # (a request this step did not schedule)
+        scheduled = {r: prompt_chunk.get(r, 1 + len(drafts.get(r, ()))) for r in req_ids}
+        out = SimpleNamespace(
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            num_scheduled_tokens=scheduled,
+            scheduled_spec_decode_tokens=drafts,
+        )
+        batch = SimpleNamespace(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, num_tokens_no_spec=context
+        )
+        view = StepView(SimpleNamespace(input_batch=batch, requests=requests), out, [[]] * len(req_ids), table)
+        logit_rows = {r: 1 + (len(drafts[r]) if r in drafts else 0) for r in req_ids}
+        samples = {r: requests[r].sampling_params.temperature > 0 for r in req_ids}
+        draft_tokens = sum(len(drafts[r]) for r in req_ids if r in drafts)
+        assert view.shape() == StepShape(
+            prompt_tokens=sum(prompt_chunk.values()) - len(prompt_chunk),
+            logit_rows=len(req_ids) + draft_tokens,
+            sampled_rows=sum(logit_rows[r] for r in req_ids if samples[r]),
+            draft_tokens=draft_tokens,
+            context_read=sum(logit_rows[r] * int(context[i]) for i, r in enumerate(req_ids)),
+        )
+        for req_id in read:
+            table.forget(req_id)
+    nothing = SimpleNamespace(total_num_scheduled_tokens=0)
+    assert StepView(SimpleNamespace(input_batch=batch, requests={}), nothing, []).shape() is None

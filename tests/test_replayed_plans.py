@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from benchmarks.host_time import MockedRunner, earlier_outputs, make_rows, run_ours
+from vllm_selfspec.control.step_costs import StepCostModel
 
 RECORDED = Path(__file__).parent / "data" / "replayed_plans.json"
 CASES = [(w, b) for w in ("nothing", "lookup", "prediction", "history") for b in (1, 8)] + [("prediction", 32)]
@@ -70,6 +71,10 @@ def test_the_plan_and_gains_kernels_compile_once():
     cost_fit.warm_up()
     for workload in ("lookup", "prediction"):
         replay(workload, 8)
+    costs = StepCostModel()  # (the replays' costs are pinned: learned ones update their sums)
+    for rows in range(1, 12):
+        costs.observe_step(0, rows, 0, 1e-3 * rows, draft_tokens=rows // 2, context_read=100.0 * rows)
+        costs.observe_self_step(rows, 1e-4 * rows)
     assert len(lookup_plan.greedy_lookup_plan.signatures) == 1, lookup_plan.greedy_lookup_plan.signatures
     assert len(lookup_plan.steady_lookup_plan.signatures) == 1, lookup_plan.steady_lookup_plan.signatures
     assert len(acceptance._lookup_gains.signatures) == 1, acceptance._lookup_gains.signatures
@@ -77,6 +82,7 @@ def test_the_plan_and_gains_kernels_compile_once():
     assert len(request_rates.learn_verified.signatures) == 1, request_rates.learn_verified.signatures
     assert len(request_predictions.follow_rows.signatures) == 1, request_predictions.follow_rows.signatures
     assert len(cost_fit.ridge_nonnegative_fit.signatures) == 1, cost_fit.ridge_nonnegative_fit.signatures
+    assert len(cost_fit.add_decayed.signatures) == 1, cost_fit.add_decayed.signatures
 
 
 def test_the_recording_drafts():

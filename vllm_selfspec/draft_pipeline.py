@@ -9,7 +9,7 @@ any machine (`benchmarks/host_time.py`), a GPU host without vLLM included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from vllm_selfspec.control import DraftController, DraftPlan, StepGains, StepOffers
 from vllm_selfspec.control.acceptance import warm_up as warm_up_acceptance
@@ -29,8 +29,7 @@ from vllm_selfspec.sources.step_drafts import StepDrafts
 from vllm_selfspec.vllm_integration.runner_state import RequestTable
 
 
-@dataclass(frozen=True)
-class PreparedStep:
+class PreparedStep(NamedTuple):
     """What a step's rank-local part found: the step, each drafting row's lookup draft, offer
     and gains, and this rank's plan, ready for the broadcast (`DraftPlan.as_ints`)."""
 

@@ -120,8 +120,7 @@ def bin_id(token_bin: tuple) -> int:
     return ((SOURCE_INDEX[DraftSource(source)] * 2 + sampled) * MATCH_BUCKETS + match_bucket) * AGREEMENT_SLOTS + slot
 
 
-@dataclass(frozen=True)
-class StepGains:
+class StepGains(NamedTuple):
     """Every row's lookup gains this step (`AcceptanceModel.lookup_gains`), rows x depth, 0 past
     a row's draft: as the planner plans with them, and before the calibration scaled them; and
     each token's calibration bin (`bin_id`, -1 past the draft) and the prior it starts from."""
@@ -465,10 +464,10 @@ class AcceptanceModel:
         last bit: each token's bin and prior from its agreement share, its rate from the bins'
         array, the products along each row: one compiled call."""
         slots = self.requests.slots(offers.req_ids)
-        # Per source: its rate and calibration factor.
-        source_rates = np.ones((len(SOURCES), 2))
-        for source in LOOKED_UP:
-            source_rates[SOURCE_INDEX[source]] = self.rates[source].rate, self.estimate_calibration[source].factor
+        # Per source, in SOURCES' order: its rate and calibration factor (self-drafts', unread: ones).
+        source_rates = np.array(
+            [[self.rates[s].rate, self.estimate_calibration[s].factor] for s in LOOKED_UP] + [[1.0, 1.0]]
+        )
         offered = (offers.lookup_tokens, offers.sampled, offers.match, offers.has_probs, offers.probs)
         offered = (*offered, self._bin_rates, AGREEMENT, MATCH)
         own_rates = (self.requests.seen, self.requests.accepted, self.requests.trials)

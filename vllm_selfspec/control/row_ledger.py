@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,8 +26,7 @@ MOST_AHEAD = 8.0  # plain steps a row may carry ahead of plain decoding's pace
 MOST_BEHIND = 0.25  # ... and behind it (it makes that up at the slack a step, blocking drafts)
 
 
-@dataclass(frozen=True)
-class PlannedStep:
+class PlannedStep(NamedTuple):
     """What the planner expected of a step: its rows, and plain's and the plan's seconds."""
 
     req_ids: tuple[str, ...]

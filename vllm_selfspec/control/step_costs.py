@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_selfspec.control.cost_fit import ridge_nonnegative_fit
+from vllm_selfspec.control.cost_fit import add_decayed, ridge_nonnegative_fit
 
 MAX_SHAPES_REMEMBERED = 4096
 
@@ -70,12 +70,10 @@ class LinearCost:
         self.outliers_in_a_row = 0
         # The decayed sums of (1, features, seconds) times its transpose: every sum the fit
         # needs (weight, features, seconds and their products) in one update.
-        z = np.concatenate(([1.0], x, [seconds]))
-        if self._sums is None:
-            self._sums = np.outer(z, z)
-        else:
-            self._sums *= self.decay
-            self._sums += np.outer(z, z)
+        first = self._sums is None
+        if first:
+            self._sums = np.zeros((len(x) + 2, len(x) + 2))
+        add_decayed(self._sums, x, float(seconds), 0.0 if first else self.decay)
         self.samples += 1
 
     def coefficients(self) -> tuple[float, np.ndarray]:

@@ -74,8 +74,7 @@ class StepRows:
         return np.where(self.may_draft, budgets, 0)
 
 
-@dataclass(frozen=True)
-class StepShape:
+class StepShape(NamedTuple):
     """What the step that just ran computed (prompt chunks included: under load few steps are
     decode-only). A logit row is a position whose logits were computed."""
 
@@ -195,15 +194,14 @@ class StepView:
     @functools.cached_property
     def rows(self) -> StepRows:
         """Rows that sampled a token this step (a partial prefill samples none)."""
-        sampled = self.sampled_token_ids
-        index = np.flatnonzero(np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled)))
-        req_ids, requests = [self.req_ids[i] for i in index.tolist()], self.runner.requests
+        index = [i for i, tokens in enumerate(self.sampled_token_ids) if tokens]
+        req_ids, requests = [self.req_ids[i] for i in index], self.runner.requests
         slots = self._slots = self.facts.slots(req_ids, requests)
         emitted = np.fromiter(
             (len(requests[r].output_token_ids) for r in req_ids), dtype=np.float64, count=len(req_ids)
         )
         return StepRows(
-            index,
+            np.array(index, dtype=np.int64),
             req_ids,
             self.facts.max_tokens[slots] - emitted,
             self.facts.sampled[slots],
@@ -220,30 +218,30 @@ class StepView:
         return len(self.sampled_token_ids[row]) - 1
 
     def shape(self) -> StepShape | None:
+        """What the step that ran computed. Row by row: at the batches a step holds (up to a few
+        hundred rows), a few operations a row cost less than the dozen NumPy calls that would
+        gather the same from the scheduler's dicts."""
         out = self.scheduler_output
         if not out.total_num_scheduled_tokens:
             return None
-        scheduled = list(out.num_scheduled_tokens)
-        drafts = {r: len(d) for r, d in out.scheduled_spec_decode_tokens.items() if r in out.num_scheduled_tokens}
-        draft_tokens = sum(drafts.values())
-        # Per scheduled request: its logit rows, whether it samples, and its row in the batch.
-        logits = np.ones(len(scheduled), dtype=np.int64)
-        if drafts:
-            logits += np.array([drafts.get(r, 0) for r in scheduled], dtype=np.int64)
-        slot_of = self.facts.slot_of
-        slots = [slot_of.get(r, -1) for r in scheduled]
-        if -1 in slots:  # (a request not read yet: one that sampled nothing, a partial prefill)
-            samples = np.array([self.samples(r) for r in scheduled], dtype=bool)
-        else:
-            samples = self.facts.sampled[slots]
-        index = self.batch.req_id_to_index
-        at = np.array([index.get(r, -1) for r in scheduled], dtype=np.int64)
-        held = at >= 0
-        context_read = int(logits[held] @ self.batch.num_tokens_no_spec[at[held]].astype(np.int64))
+        scheduled, drafts = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens
+        slot_of, index = self.facts.slot_of, self.batch.req_id_to_index
+        sampled, context = self.facts.sampled, self.batch.num_tokens_no_spec
+        draft_tokens = sampled_rows = context_read = 0
+        for req_id in scheduled:
+            logit_rows = len(drafts[req_id]) + 1 if req_id in drafts else 1  # (a padded draft's -1s too)
+            draft_tokens += logit_rows - 1
+            row = index.get(req_id, -1)
+            if row >= 0:
+                context_read += logit_rows * int(context[row])
+            slot = slot_of.get(req_id, -1)
+            # (a request not read yet, one that sampled nothing, is read now: a partial prefill)
+            if sampled[slot] if slot >= 0 else self.samples(req_id):
+                sampled_rows += logit_rows
         return StepShape(
             max(out.total_num_scheduled_tokens - len(scheduled) - draft_tokens, 0),
             len(scheduled) + draft_tokens,
-            int(logits[samples].sum()),
+            sampled_rows,
             draft_tokens,
             context_read,
         )
