@@ -98,3 +98,32 @@ def test_the_sums_update_in_one_call_is_numpys_to_the_last_bit():
                 by_numpy += np.outer(z, z)
             add_decayed(compiled, features, seconds, 0.98 if step else 0.0)
             assert np.array_equal(compiled, by_numpy), step
+    with pytest.raises(IndexError):  # (numba checks no index: the kernel does)
+        add_decayed(np.zeros((3, 3)), np.zeros(2), 0.0, 0.98)
+
+
+def test_a_learned_fit_keeps_the_sums_numpy_kept():
+    """`LinearCost.observe`, as a step's costs are learned (its first observation, then decayed),
+    keeps the sums the NumPy update kept, to the last bit."""
+    rng = np.random.default_rng(8)
+    cost, by_numpy = target_step_cost(), None
+    for _ in range(300):
+        rows, drafts = int(rng.integers(1, 64)), int(rng.integers(0, 32))
+        features = (
+            int(rng.integers(0, 500)),
+            rows + drafts,
+            int(rng.integers(0, rows + 1)),
+            drafts > 0,
+            False,
+            0.1 * rows,
+        )
+        seconds = 2e-3 + 1e-4 * (rows + drafts) + rng.random() * 1e-4  # (never an outlier: all are kept)
+        cost.observe(features, seconds)
+        z = np.concatenate(([1.0], np.asarray(features, dtype=np.float64), [seconds]))
+        if by_numpy is None:
+            by_numpy = np.outer(z, z)
+        else:
+            by_numpy *= cost.decay
+            by_numpy += np.outer(z, z)
+        assert np.array_equal(cost._sums, by_numpy)
+    assert cost.samples == 300

@@ -406,11 +406,13 @@ def test_a_steps_shape_counts_what_the_step_computed():
             requests[req_id] = SimpleNamespace(sampling_params=params, output_token_ids=[])
         read = [r for r in req_ids if rng.random() < 0.8]  # (the rest: not read yet)
         table.slots(read, requests)
-        context = np.array([rng.randint(1, 4000) for _ in req_ids], dtype=np.int32)
+        context = np.array([rng.randint(1, 4000) for _ in req_ids] + [9999], dtype=np.int32)  # (past the rows: unread)
         prompt_chunk = {r: rng.randint(2, 300) for r in req_ids if r not in read and rng.random() < 0.5}
         drafts = {r: [5] * rng.randint(1, 8) + [-1] * rng.randint(0, 2) for r in read if rng.random() < 0.5}
         drafts["elsewhere"] = [5, 5]  # (a request this step did not schedule)
         scheduled = {r: prompt_chunk.get(r, 1 + len(drafts.get(r, ()))) for r in req_ids}
+        gone = [f"gone{step_index}-{i}" for i in range(rng.randint(0, 2))]  # (not in the batch: no context)
+        scheduled.update(dict.fromkeys(gone, 1))
         out = SimpleNamespace(
             total_num_scheduled_tokens=sum(scheduled.values()),
             num_scheduled_tokens=scheduled,
@@ -425,7 +427,7 @@ def test_a_steps_shape_counts_what_the_step_computed():
         draft_tokens = sum(len(drafts[r]) for r in req_ids if r in drafts)
         assert view.shape() == StepShape(
             prompt_tokens=sum(prompt_chunk.values()) - len(prompt_chunk),
-            logit_rows=len(req_ids) + draft_tokens,
+            logit_rows=len(req_ids) + len(gone) + draft_tokens,
             sampled_rows=sum(logit_rows[r] for r in req_ids if samples[r]),
             draft_tokens=draft_tokens,
             context_read=sum(logit_rows[r] * int(context[i]) for i, r in enumerate(req_ids)),

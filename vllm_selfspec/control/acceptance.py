@@ -464,9 +464,12 @@ class AcceptanceModel:
         last bit: each token's bin and prior from its agreement share, its rate from the bins'
         array, the products along each row: one compiled call."""
         slots = self.requests.slots(offers.req_ids)
-        # Per source, in SOURCES' order: its rate and calibration factor (self-drafts', unread: ones).
+        # Per source, by its index: its rate and calibration factor (self-drafts', unread: ones).
         source_rates = np.array(
-            [[self.rates[s].rate, self.estimate_calibration[s].factor] for s in LOOKED_UP] + [[1.0, 1.0]]
+            [
+                [self.rates[s].rate, self.estimate_calibration[s].factor] if s in LOOKED_UP else [1.0, 1.0]
+                for s in SOURCES
+            ]
         )
         offered = (offers.lookup_tokens, offers.sampled, offers.match, offers.has_probs, offers.probs)
         offered = (*offered, self._bin_rates, AGREEMENT, MATCH)

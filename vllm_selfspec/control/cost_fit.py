@@ -128,6 +128,8 @@ def add_decayed(sums, features, seconds, decay):
     """`sums` = `sums` x `decay` + z z', z = (1, features, seconds), in place: NumPy's
     `sums *= decay; sums += np.outer(z, z)` to the last bit, in one call instead of four."""
     n = len(features) + 2
+    if sums.shape[0] != n or sums.shape[1] != n:  # (numba checks no index)
+        raise IndexError("the cost fit's sums of another size than its features")
     z = np.empty(n)
     z[0], z[n - 1] = 1.0, seconds
     for i in range(len(features)):
