@@ -79,6 +79,17 @@ def test_an_exact_line_is_fitted():
     assert intercept == pytest.approx(2.0, rel=1e-2) and per_row == pytest.approx(0.5, rel=1e-2)
 
 
+def added_by_numpy(sums, features, seconds: float, decay: float) -> np.ndarray:
+    """The fit's decayed sums of z z', z = (1, features, seconds), as NumPy updated them (`sums`
+    None: the first observation)."""
+    z = np.concatenate(([1.0], features, [seconds]))
+    if sums is None:
+        return np.outer(z, z)
+    sums *= decay
+    sums += np.outer(z, z)
+    return sums
+
+
 def test_the_sums_update_in_one_call_is_numpys_to_the_last_bit():
     """`add_decayed` against the four NumPy calls it replaced (`sums *= decay; sums +=
     np.outer(z, z)`), over features of every scale the fit meets, the first update included."""
@@ -90,12 +101,7 @@ def test_the_sums_update_in_one_call_is_numpys_to_the_last_bit():
         for step in range(500):
             features = rng.random(k) * rng.choice([0, 1e-3, 1, 1e3, 1e6], size=k)
             seconds = float(rng.random() * rng.choice([1e-4, 1e-2, 1.0]))
-            z = np.concatenate(([1.0], features, [seconds]))
-            if by_numpy is None:
-                by_numpy = np.outer(z, z)
-            else:
-                by_numpy *= 0.98
-                by_numpy += np.outer(z, z)
+            by_numpy = added_by_numpy(by_numpy, features, seconds, 0.98)
             add_decayed(compiled, features, seconds, 0.98 if step else 0.0)
             assert np.array_equal(compiled, by_numpy), step
     with pytest.raises(IndexError):  # (numba checks no index: the kernel does)
@@ -119,11 +125,6 @@ def test_a_learned_fit_keeps_the_sums_numpy_kept():
         )
         seconds = 2e-3 + 1e-4 * (rows + drafts) + rng.random() * 1e-4  # (never an outlier: all are kept)
         cost.observe(features, seconds)
-        z = np.concatenate(([1.0], np.asarray(features, dtype=np.float64), [seconds]))
-        if by_numpy is None:
-            by_numpy = np.outer(z, z)
-        else:
-            by_numpy *= cost.decay
-            by_numpy += np.outer(z, z)
+        by_numpy = added_by_numpy(by_numpy, np.asarray(features, dtype=np.float64), seconds, cost.decay)
         assert np.array_equal(cost._sums, by_numpy)
     assert cost.samples == 300
