@@ -169,10 +169,30 @@ def engine(model: str | os.PathLike[str], **engine_kwargs) -> Iterator:
 
 
 def spec_decode_counters(llm) -> dict[str, float]:
-    """vLLM's own spec-decode counters of an `LLM` built with disable_log_stats=False:
-    num_drafts, num_draft_tokens, num_accepted_tokens (names without the vllm: prefix)."""
+    """vLLM's own spec-decode counters of this `LLM` (built with disable_log_stats=False):
+    num_drafts, num_draft_tokens, num_accepted_tokens (names without the vllm: prefix).
+
+    Read from this engine's own Prometheus logger, not `LLM.get_metrics()`: the registry is
+    process-global and each engine built unregisters the counters of those built before it,
+    so with engines alive side by side (shared test engines, `benchmarks.run --interleave`)
+    `get_metrics()` counts the last engine's drafts whichever engine is asked."""
+    manager = llm.llm_engine.logger_manager
+    if manager is None:
+        raise ValueError("spec_decode_counters reads an LLM built with disable_log_stats=False")
+    proms = [
+        logger.spec_decoding_prom
+        for logger in manager.stat_loggers
+        if getattr(getattr(logger, "spec_decoding_prom", None), "spec_decoding_enabled", False)
+    ]
+    if not proms:
+        return {}
     return {
-        m.name.removeprefix("vllm:spec_decode_"): m.value
-        for m in llm.get_metrics()
-        if m.name.startswith("vllm:spec_decode_") and hasattr(m, "value")
+        name: sum(
+            sample.value
+            for child in getattr(proms[0], f"counter_spec_decode_{name}").values()
+            for metric in child.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        )
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
     }

@@ -118,6 +118,18 @@ def test_skip_everything_is_still_exact(admg_all, tiny_prompt_ids, plain_ids):
     assert counters["num_accepted_tokens"] < counters["num_draft_tokens"]
 
 
+def test_engines_side_by_side_count_their_own_drafts(admg_none, admg_all, tiny_prompt_ids):
+    """Each engine's spec-decode counters are its own, with another engine alive beside it:
+    vLLM's Prometheus registry is process-wide and keeps only the last engine built, which
+    `LLM.get_metrics()` reads whichever engine is asked (`benchmarks.engine.spec_decode_counters`)."""
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for drafting, idle in ((admg_none, admg_all), (admg_all, admg_none)):
+        before, idle_before = spec_counters(drafting), spec_counters(idle)
+        generate(drafting, tiny_prompt_ids[:1], params)
+        assert spec_counters(drafting)["num_draft_tokens"] > before["num_draft_tokens"]
+        assert spec_counters(idle) == idle_before
+
+
 def test_no_extra_kv_cache(plain_tiny, admg_none):
     def kv_bytes(llm):
         return llm.collective_rpc(
