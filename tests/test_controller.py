@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vllm_selfspec.control import AcceptanceRate, DraftController, DraftSource, RowOffer, StepOffers
-from vllm_selfspec.control.acceptance import AcceptanceModel, Calibration, token_bins
+from vllm_selfspec.control.acceptance import SOURCE_INDEX, AcceptanceModel, Calibration, token_bins
 from vllm_selfspec.sources.lookup import (
     NO_DRAFT,
     SEPARATOR,
@@ -140,6 +140,46 @@ def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
     assert copies > 50
     with pytest.raises(IndexError):  # (the kernel reads in place: a row outside the batch must not be read)
         context_drafts(np.zeros((2, 4), dtype=np.int32), [2], [4], [1])
+
+
+def test_a_batchs_drafts_with_its_tenants_history_at_once_are_each_rows_lookup_draft():
+    """`context_drafts` with a history: each row's draft is `lookup_draft`'s, the better of its
+    own context's and the history's, source included, with `RowLookup._lookup`'s second lookup
+    of a copy; over histories whose index has dropped and merged outputs."""
+    from vllm_selfspec.sources.step_drafts import StepDrafts
+
+    rng = np.random.default_rng(2)
+    chosen = {DraftSource.LOOKUP: 0, DraftSource.HISTORY: 0}
+    copies = 0
+    for _ in range(200):
+        vocabulary = int(rng.integers(2, 30))
+        history = OutputHistory(max_tokens=int(rng.integers(8, 400)))
+        for _ in range(int(rng.integers(1, 12))):
+            history.add(rng.integers(0, vocabulary, int(rng.integers(1, 60))))
+        batch, width = int(rng.integers(1, 9)), int(rng.integers(4, 200))
+        token_ids = rng.integers(0, vocabulary, (batch + 2, width)).astype(rng.choice([np.int32, np.int64]))
+        rows = rng.choice(batch + 2, batch, replace=False).tolist()
+        lengths = rng.integers(0, width + 1, batch).tolist()
+        full = rng.integers(0, 12, batch)
+        capped, match = np.minimum(full, rng.integers(0, 12, batch)).tolist(), int(rng.integers(1, 8))
+        got = StepDrafts.empty(batch, max(full.max(), 1))
+        context_drafts(
+            token_ids, rows, lengths, capped, full_budgets=full.tolist(), max_match=match, into=got,
+            at=np.arange(batch), source=SOURCE_INDEX[DraftSource.LOOKUP], pool=history,
+            pool_source=SOURCE_INDEX[DraftSource.HISTORY],
+        )  # fmt: skip
+        for r, (row, length, budget, whole) in enumerate(zip(rows, lengths, capped, full.tolist())):
+            source, draft = got[r]
+            want = lookup_draft(token_ids[row, :length], budget, match, history)
+            if budget < whole and want[1].match >= match:
+                want, copies = lookup_draft(token_ids[row, :length], whole, match, history), copies + 1
+            if len(want[1]):
+                assert source == want[0]
+                chosen[source] += 1
+            assert (draft.tokens.tolist(), draft.probs, draft.match) == (
+                want[1].tokens.tolist(), want[1].probs, want[1].match,
+            )  # fmt: skip
+    assert copies > 20 and min(chosen.values()) > 50, (copies, chosen)
 
 
 def test_own_context_drafts_written_into_a_steps_drafts_check_every_index_before_writing():

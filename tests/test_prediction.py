@@ -140,9 +140,9 @@ def find_each_row_alone(lookup, step, rows, budgets):
 
 
 def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
-    """`RowLookup.find` looks up the rows without a history pool in one call over the batch's
-    token ids (a single row alone); a step whose call raises looks each row up alone, and says
-    so once. Over random
+    """`RowLookup.find` looks up the rows of each history (here: of none) in one call over the
+    batch's token ids (a single row without one alone); a step whose call raises looks each row
+    up alone, and says so once. Over random
     batches (predictions on some rows, capped drafts, rows without budget), the drafts at once
     are those of each row alone, and no row was looked up alone on the way."""
     import logging
@@ -189,6 +189,61 @@ def test_rows_looked_up_at_once_draft_what_each_row_alone_drafts(caplog):
     caplog.clear()
     find_each_row_alone(alone, batch_step(*made), rows, list(budgets))
     assert [r.levelno for r in caplog.records if "looked up alone" in r.getMessage()] == [logging.DEBUG]
+
+
+def test_rows_with_a_history_at_once_draft_what_each_row_alone_drafts_and_a_faulty_history_goes_once():
+    """The rows of a tenant with a history are looked up in one call, their own contexts and the
+    history together, and draft what each row alone drafts (`lookup_draft`: the history's draft
+    where it scores higher). Should the history itself raise, the row that finds it so drops it
+    and drafts from its own context, and so do the rows after it: one fault, not one a row (a
+    shared pool's rows would otherwise switch drafting off for everyone)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pytest
+
+    from vllm_selfspec.operations.fail_safe import FailSafe
+    from vllm_selfspec.options import make_options
+    from vllm_selfspec.sources.lookup import OutputHistory
+    from vllm_selfspec.sources.row_lookup import RowLookup
+
+    rng = np.random.default_rng(4)
+    options = make_options({"lookup_history_unsalted": True, "experimental": {"max_draft_unless_copying": 3}})
+    sources = set()
+    for _ in range(40):
+        batch, width, vocabulary = int(rng.integers(2, 9)), 120, int(rng.integers(3, 20))
+        token_ids = rng.integers(0, vocabulary, (batch, width)).astype(np.int32)
+        lengths, prompts = rng.integers(1, width + 1, batch), rng.integers(1, 40, batch)
+        rows = [SimpleNamespace(req_id=f"r{i}", index=i) for i in range(batch)]
+        budgets = rng.integers(1, 9, batch).tolist()
+        outputs = [rng.integers(0, vocabulary, int(rng.integers(1, 80))) for _ in range(4)]
+        made = (token_ids, lengths, prompts, {})
+
+        def lookup_with_history(rows=rows, outputs=outputs):
+            lookup = RowLookup(options, FailSafe())
+            lookup.tenants = {row.req_id: None for row in rows}  # (unsalted: the shared pool)
+            for output in outputs:
+                lookup.history.add(None, output)
+            return lookup
+
+        at_once, alone = lookup_with_history(), lookup_with_history()
+        got = at_once.find(batch_step(*made), rows, list(budgets), look_up=True)
+        want = find_each_row_alone(alone, batch_step(*made), rows, list(budgets))
+        for (source, draft), (want_source, want_draft) in zip(got, want):
+            assert (source, draft.tokens.tolist(), draft.probs, draft.match) == (
+                want_source, want_draft.tokens.tolist(), want_draft.probs, want_draft.match,
+            )  # fmt: skip
+            if len(draft):
+                sources.add(source)
+
+        faulty = lookup_with_history()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(OutputHistory, "draft", lambda *args: 1 / 0)
+            got = find_each_row_alone(faulty, batch_step(*made), rows, list(budgets))
+        own = RowLookup(options, FailSafe()).find(batch_step(*made), rows, list(budgets), look_up=True)
+        assert faulty.fail_safe.faults == 1 and faulty.history.tenants == 0 and not faulty.quarantine.requests
+        assert [(s, d.tokens.tolist()) for s, d in got] == [(s, d.tokens.tolist()) for s, d in own]
+    assert sources == {"lookup", "history"}, sources
 
 
 def test_only_a_draft_that_copies_drafts_past_the_cap_on_other_drafts():

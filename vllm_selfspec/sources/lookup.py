@@ -26,7 +26,9 @@ earlier occurrence says 1/2 for a copied sentence and for a code fragment alike)
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -49,7 +51,9 @@ class LookupDraft:
 
     @property
     def score(self) -> float:
-        return sum(self.probs)
+        """Its probabilities summed in order, as the compiled lookups sum them (`sum` compensates
+        its rounding from Python 3.12 on, which could tip a tie between two drafts)."""
+        return functools.reduce(operator.add, self.probs, 0.0)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -382,16 +386,42 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
 
 
 @compiled
+def _draft_sum(probs):
+    """A draft's score, as `LookupDraft.score` sums it: its probabilities in order."""
+    total = 0.0
+    for p in probs:
+        total += p
+    return total
+
+
+@compiled
+def _own_or_pool_draft(context, pool, pool_index, pooled, max_tokens, max_match, min_prob):
+    """`lookup_draft`'s choice: (tokens, probabilities, match, whether from the pool) of the
+    context's own draft, or of the `pool`'s (`OutputHistory.tokens`, its index searched) where
+    that scores higher."""
+    tokens, probs, found = _suffix_draft(context, context, max_tokens, max_match, min_prob)
+    if pooled:
+        in_pool, pool_probs, pool_found = _indexed_suffix_draft(
+            context, pool, pool_index, max_tokens, max_match, min_prob
+        )
+        if _draft_sum(pool_probs) > _draft_sum(probs):
+            return in_pool, pool_probs, pool_found, True
+    return tokens, probs, found, False
+
+
+@compiled
 def _context_drafts(
-    token_ids, rows, max_match, min_prob, at, width, tokens, probs, lengths, match, sources, has_probs, source
-):
-    """`_suffix_draft` of each row's own context: `rows` holds, per row, its row of `token_ids`,
-    its context's length, its budget and its full budget; a draft that copies (its match is
-    `max_match` long) is looked up again with the full budget. Each draft is written over the
-    draft at `at[r]` of `tokens`, `probs`, `lengths`, `match`, `sources`, `has_probs` (a step's
-    drafts, `step_drafts.StepDrafts`) where it matches more, or there is none; past a draft,
-    zeros up to `width`. Every index is checked before anything is read or written: the kernel
-    reads vLLM's arrays in place."""
+    token_ids, rows, max_match, min_prob, at, width, tokens, probs, lengths, match, sources, has_probs, source,
+    pool, pool_index, pooled, pool_source,
+):  # fmt: skip
+    """`lookup_draft` of each row's own context, and of one `pool` of earlier outputs if
+    `pooled` (the rows' tenant's): `rows` holds, per row, its row of `token_ids`, its context's
+    length, its budget and its full budget; a draft that copies (its match is `max_match` long)
+    is looked up again with the full budget. Each draft is written over the draft at `at[r]` of
+    `tokens`, `probs`, `lengths`, `match`, `sources`, `has_probs` (a step's drafts,
+    `step_drafts.StepDrafts`) where it matches more, or there is none; past a draft, zeros up to
+    `width`. Every index is checked before anything is read or written: the kernel reads vLLM's
+    arrays in place."""
     for r in range(len(rows)):
         row, length, budget, full_budget = rows[r]
         if not 0 <= at[r] < len(lengths) or width > tokens.shape[1] or not 0 <= row < token_ids.shape[0]:
@@ -401,25 +431,32 @@ def _context_drafts(
     for r in range(len(rows)):
         row, length, budget, full_budget = rows[r]
         context = token_ids[row, : max(0, min(length, token_ids.shape[1]))]
-        drafted, shares, found = _suffix_draft(context, context, budget, max_match, min_prob)
+        args = (pool, pool_index, pooled)
+        drafted, shares, found, from_pool = _own_or_pool_draft(context, *args, budget, max_match, min_prob)
         if budget < full_budget and found >= max_match:
-            drafted, shares, found = _suffix_draft(context, context, full_budget, max_match, min_prob)
+            drafted, shares, found, from_pool = _own_or_pool_draft(context, *args, full_budget, max_match, min_prob)
         n, i = len(drafted), at[r]
         if n == 0 or (lengths[i] != 0 and found <= match[i]):
             continue
         tokens[i, :n], probs[i, :n] = drafted, shares
         tokens[i, n:width], probs[i, n:width] = 0, 0.0
-        lengths[i], match[i], sources[i], has_probs[i] = n, found, source, True
+        lengths[i], match[i], has_probs[i] = n, found, True
+        sources[i] = pool_source if from_pool else source
+
+
+# `_context_drafts`' pool arguments where the rows have none (one signature with and without)
+WITHOUT_POOL = (np.full(1, SEPARATOR, dtype=np.int64), TokenIndex.empty().searched(), False)
 
 
 class ContextDrafts(NamedTuple):
     """Drafts of many rows at once (`context_drafts`), a row each: its tokens and their
-    probabilities (0 past its draft), its length and its match length."""
+    probabilities (0 past its draft), its length, its match length and its source."""
 
     tokens: np.ndarray  # int64, rows x the largest budget
     probs: np.ndarray  # float64
     lengths: np.ndarray  # int64
     match: np.ndarray  # int64
+    sources: np.ndarray  # int64: `source` or `pool_source`
 
 
 def context_drafts(
@@ -434,13 +471,18 @@ def context_drafts(
     into=None,
     at: np.ndarray | None = None,
     source: int = 0,
+    pool: OutputHistory | None = None,
+    pool_source: int = 0,
 ) -> ContextDrafts | None:
-    """`suffix_draft(token_ids[row, :length], budget)` of many rows at once (the batch's token
-    ids as vLLM keeps them, read in place), in one compiled call: a call's own cost is most of
-    a lookup's. A draft that copies (it matches `max_match` tokens) is looked up again for the
-    row's `full_budgets` (default: its budget). `into`: a step's drafts
-    (`step_drafts.StepDrafts`), each row's written over the draft at `at[r]` where it matches
-    more or there is none, from `source` (an index into `acceptance.SOURCES`); else returned."""
+    """`suffix_draft(token_ids[row, :length], budget)` of many rows at once, or with `pool`
+    `lookup_draft`'s (the batch's token ids as vLLM keeps them, read in place), in one compiled
+    call: a call's own cost is most of a lookup's. A draft that copies (it matches `max_match`
+    tokens) is looked up again for the row's `full_budgets` (default: its budget). `into`: a
+    step's drafts (`step_drafts.StepDrafts`), each row's written over the draft at `at[r]` where
+    it matches more or there is none, from `source` (an index into `acceptance.SOURCES`); else
+    returned.
+    `pool`: the rows' tenant's earlier outputs, whose draft each row takes where it scores higher
+    than its own context's (`lookup_draft`), from `pool_source`."""
     full_budgets = budgets if full_budgets is None else full_budgets
     inputs = np.array([rows, lengths, budgets, full_budgets], dtype=np.int64).T.copy()
     width = max(max(full_budgets, default=0), 1)
@@ -459,18 +501,22 @@ def context_drafts(
     _context_drafts(
         token_ids, inputs, int(max_match), float(min_prob), np.asarray(at, dtype=np.int64), width,
         into.tokens, into.probs, into.lengths, into.match, into.sources, into.has_probs, int(source),
+        *((pool.tokens, pool.index.searched(), True) if pool is not None else WITHOUT_POOL), int(pool_source),
     )  # fmt: skip
-    return ContextDrafts(into.tokens, into.probs, into.lengths, into.match) if returned else None
+    if not returned:
+        return None
+    return ContextDrafts(into.tokens, into.probs, into.lengths, into.match, into.sources)
 
 
 def warm_up() -> None:
     """Compile the lookup (or load it from numba's cache): seconds the first time on a machine,
     which belong to the engine's start, not to its first request's step."""
     suffix_draft(np.zeros(2, dtype=np.int64), 1)
-    for dtype in (np.int32, np.int64):  # (vLLM's token ids are int32; int64 where a caller's are)
-        context_drafts(np.zeros((1, 2), dtype=dtype), [0], [2], [1])
     history = OutputHistory(8)
     history.add(np.zeros(2, dtype=np.int64))
+    for dtype in (np.int32, np.int64):  # (vLLM's token ids are int32; int64 where a caller's are)
+        context_drafts(np.zeros((1, 2), dtype=dtype), [0], [2], [1])
+        context_drafts(np.zeros((1, 2), dtype=dtype), [0], [2], [1], pool=history)
     history.draft(np.zeros(2, dtype=np.int64), 1, 2)
 
 

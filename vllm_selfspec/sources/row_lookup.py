@@ -89,8 +89,8 @@ class RowLookup:
         matches more (the prediction's on a tie; none where neither offers one or the budget
         is 0). `budgets`: 0 for a row out of quarantine (`allowed`); a row whose lookup raises
         is quarantined now, and its budget set to 0. The rows' predictions are followed in one
-        compiled call (`request_predictions`), and the rows whose tenant has no history look up
-        their own contexts in another (`lookup.context_drafts`)."""
+        compiled call (`request_predictions`), and the rows look up their contexts, with their
+        tenant's history where it has one, in one more call per history (`lookup.context_drafts`)."""
         fault_point("lookup")
         rows = rows if isinstance(rows, StepRows) else StepRows.of(rows)
         drafts = StepDrafts.empty(len(rows), max(budgets, default=0))
@@ -99,7 +99,7 @@ class RowLookup:
         stands_alone = self.predictions.drafts(
             step, rows, budgets, drafting, drafts, failed, self.options.lookup_max_match
         )
-        lookup_seconds, self.rows_looked_up, own_context = 0.0, 0, []
+        lookup_seconds, self.rows_looked_up = 0.0, 0
         if self.options.lookup and look_up:
             skipped = stands_alone
             if failed:  # (a row whose prediction raised is not looked up)
@@ -107,29 +107,10 @@ class RowLookup:
                 skipped[[i for i, _, _ in failed]] = True
             looked_up = [i for i in drafting if not skipped[i]]
             self.rows_looked_up = len(looked_up)
-            # (no tenant has a pool yet, mostly: then every row looks up its own context)
-            if (self.history is None or not self.history.tenants) and fail_safe.fault_hook is None:
-                own_context = looked_up
-            else:
-                for i in looked_up:
-                    row = rows[i]
-                    try:
-                        pool = self.history.pool(self.tenant(row.req_id)) if self.history is not None else None
-                        if pool is None:
-                            fault_point("lookup", tokens=step.context(row.index))
-                            own_context.append(i)
-                        else:
-                            looked_up_at = time.perf_counter()
-                            found = self._row(step, row, budgets[i], pool)
-                            if self._better(drafts[i], found) is found:
-                                drafts.put(i, found)
-                            lookup_seconds += time.perf_counter() - looked_up_at
-                    except Exception as err:  # (the row keeps its prediction's draft)
-                        failed.append((i, row, err))
-        if own_context:
-            looked_up_at = time.perf_counter()
-            self._look_up_own_contexts(step, rows, budgets, own_context, drafts, failed)
-            lookup_seconds += time.perf_counter() - looked_up_at
+            for pool, at in self._by_pool(step, rows, looked_up, failed):
+                looked_up_at = time.perf_counter()
+                self._look_up(step, rows, budgets, at, drafts, failed, pool)
+                lookup_seconds += time.perf_counter() - looked_up_at
         if failed and len(failed) == len(drafting) > 1:
             raise failed[0][2]
         for i, row, err in failed:
@@ -139,14 +120,36 @@ class RowLookup:
         self.seconds = lookup_seconds  # what the lookup gate weighs: lookups only, not predictions
         return drafts
 
-    def _look_up_own_contexts(self, step, rows, budgets, at: list[int], drafts: StepDrafts, failed: list) -> None:
-        """The lookup drafts of the rows `at` (by index into `rows`), from their own contexts, in
-        one call (a single row alone), each kept in `drafts` where it matches more than the
-        row's prediction. Should the call raise, each row is looked up alone, so that a fault is
-        blamed on its row."""
+    def _by_pool(self, step, rows, at: list[int], failed: list) -> list[tuple[OutputHistory | None, list[int]]]:
+        """The rows `at` (by index into `rows`) grouped by their tenant's history (None: the rows
+        whose tenant has none), each group looked up in one call. A row whose history cannot be
+        found is failed."""
+        # (no tenant has a pool yet, mostly: then every row looks up its own context)
+        if (self.history is None or not self.history.tenants) and fail_safe.fault_hook is None:
+            return [(None, at)] if at else []
+        groups: dict[int, tuple[OutputHistory | None, list[int]]] = {}
+        for i in at:
+            row = rows[i]
+            try:
+                pool = self.history.pool(self.tenant(row.req_id)) if self.history is not None else None
+                fault_point("lookup", tokens=step.context(row.index))
+            except Exception as err:
+                failed.append((i, row, err))
+                continue
+            groups.setdefault(id(pool), (pool, []))[1].append(i)
+        return list(groups.values())
+
+    def _look_up(self, step, rows, budgets, at: list[int], drafts: StepDrafts, failed: list, pool) -> None:
+        """The lookup drafts of the rows `at` (by index into `rows`), from their own contexts and
+        their tenant's history `pool` (or none), in one call (a single row without a history
+        alone), each kept in `drafts` where it matches more than the row's prediction. Should
+        the call raise, each row is looked up alone, so that a fault is blamed on its row (or its
+        tenant's history)."""
         indices = rows.index[at].tolist()
         full = [budgets[i] for i in at]
-        if len(at) > 1:  # (one row is looked up alone: a call over a batch costs it more than it saves)
+        # (one row without a history is looked up alone: a call over a batch costs it more than
+        # it saves; a history's lookup costs less in one call even for one row)
+        if len(at) > 1 or pool is not None:
             try:
                 context_drafts(
                     step.token_ids,
@@ -158,6 +161,8 @@ class RowLookup:
                     into=drafts,
                     at=at,
                     source=SOURCE_INDEX[DraftSource.LOOKUP],
+                    pool=pool,
+                    pool_source=SOURCE_INDEX[DraftSource.HISTORY],
                 )
             except Exception as err:
                 # (visible once: each row alone still drafts, but the step pays for both)
@@ -172,7 +177,9 @@ class RowLookup:
                 return
         for i, budget in zip(at, full):
             try:
-                looked_up = self._row(step, rows[i], budget)
+                # (its history found anew: a row before it may have found it at fault, and dropped it)
+                history = self.history.pool(self.tenant(rows[i].req_id)) if pool is not None else None
+                looked_up = self._row(step, rows[i], budget, history)
                 if self._better(drafts[i], looked_up) is looked_up:
                     drafts.put(i, looked_up)
             except Exception as err:

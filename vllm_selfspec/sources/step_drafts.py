@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A step's drafts that cost no forward, one per row, as arrays over the batch's rows: what
-`RowLookup.find` fills (the batch's own-context lookups at once, the other rows one by one: a
-row's few writes cost less than gathering its draft with the others' into arrays), what the
+`RowLookup.find` fills (the rows' lookups in one compiled call per tenant's history, written in
+place; a row looked up alone, where a batch's call failed, by `put`), what the
 planner's offers are made of (`offers`), and what the planned tokens are taken from. A row
 without a draft has length 0."""
 
