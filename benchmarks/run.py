@@ -121,6 +121,8 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
             "num_speculative_tokens": K,
             "experimental": {"max_draft_unless_copying": 4},
         },
+        # A diagnostic: the batch's throughput as the objective, no per-row rule (`objective`).
+        "self-admg-throughput": {"method": "self-admg", "num_speculative_tokens": K, "objective": "throughput"},
     }
     if draft_path is None:
         del methods["draft_model"]
@@ -128,7 +130,7 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
 
 
 # Run when named, not by default: the opt-in, measured against the default in its own runs.
-BY_NAME_ONLY = ("self-admg-shared-history", "self-admg-capped")
+BY_NAME_ONLY = ("self-admg-shared-history", "self-admg-capped", "self-admg-throughput")
 
 
 def choose_methods(known: dict[str, dict | None], baseline: str, names: list[str] | None) -> dict[str, dict | None]:
