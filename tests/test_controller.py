@@ -117,7 +117,7 @@ def test_the_compiled_lookup_follows_many_occurrences_as_the_rule_in_numpy_does(
 
 def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
     """`context_drafts` reads the rows in place, as vLLM holds them, and looks up again, for
-    the full budget, a capped draft that copies (`RowLookup._lookup`'s rule)."""
+    the full budget, a capped draft that copies (`row_lookup.budgeted_lookup_draft`'s rule)."""
     rng = np.random.default_rng(1)
     copies = 0
     for _ in range(300):
@@ -144,7 +144,7 @@ def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
 
 def test_a_batchs_drafts_with_its_tenants_history_at_once_are_each_rows_lookup_draft():
     """`context_drafts` with a history: each row's draft is `lookup_draft`'s, the better of its
-    own context's and the history's, source included, with `RowLookup._lookup`'s second lookup
+    own context's and the history's, source included, with `row_lookup.budgeted_lookup_draft`'s second lookup
     of a copy; over histories whose index has dropped and merged outputs."""
     from vllm_selfspec.sources.step_drafts import StepDrafts
 

@@ -428,10 +428,10 @@ def _context_drafts(
             raise IndexError("a draft row outside the step's drafts, or a row outside the batch")
         if max(budget, full_budget) > width:
             raise IndexError("a budget past the drafts' width")
+    args = (pool, pool_index, pooled)
     for r in range(len(rows)):
         row, length, budget, full_budget = rows[r]
         context = token_ids[row, : max(0, min(length, token_ids.shape[1]))]
-        args = (pool, pool_index, pooled)
         drafted, shares, found, from_pool = _own_or_pool_draft(context, *args, budget, max_match, min_prob)
         if budget < full_budget and found >= max_match:
             drafted, shares, found, from_pool = _own_or_pool_draft(context, *args, full_budget, max_match, min_prob)

@@ -180,25 +180,17 @@ class RowLookup:
                 # (its history found anew: a row before it may have found it at fault, and dropped it)
                 history = self.history.pool(self.tenant(rows[i].req_id)) if pool is not None else None
                 looked_up = self._row(step, rows[i], budget, history)
-                if self._better(drafts[i], looked_up) is looked_up:
+                if better_draft(drafts[i], looked_up) is looked_up:
                     drafts.put(i, looked_up)
             except Exception as err:
                 failed.append((i, rows[i], err))
-
-    @staticmethod
-    def _better(found: Found, looked_up: Found) -> Found:
-        """A row's lookup draft where it matches more than the draft `found` (its prediction's,
-        or none)."""
-        if len(looked_up[1]) and (not len(found[1]) or looked_up[1].match > found[1].match):
-            return looked_up
-        return found
 
     def _row(self, step, row, budget: int, history: OutputHistory | None = None) -> Found:
         """The row's lookup draft, alone: from its own context and its tenant's `history`."""
         context = step.context(row.index)
         fault_point("lookup", tokens=context)
         try:
-            return self._lookup(context, budget, history)
+            return budgeted_lookup_draft(context, budget, history, self.options)
         except Exception as err:
             if history is None:
                 raise
@@ -206,18 +198,7 @@ class RowLookup:
             # context (if that raises too, the row is at fault).
             self.history.forget(self.tenant(row.req_id))
             self.fail_safe.record(err, one_request=True)
-            return self._lookup(context, budget, None)
-
-    def _lookup(self, context, budget: int, history) -> Found:
-        """The row's lookup draft of at most `max_draft_unless_copying` tokens, as a lookup of
-        that budget finds it; only a copy (it matches as many of the context's last tokens as a
-        lookup compares, `lookup_max_match`) is looked up again for the row's whole budget."""
-        max_match = self.options.lookup_max_match
-        capped = self.options.uncopied_budget(budget)
-        found = lookup_draft(context, capped, max_match, history)
-        if capped < budget and found[1].match >= max_match:
-            found = lookup_draft(context, budget, max_match, history)
-        return found
+            return budgeted_lookup_draft(context, budget, None, self.options)
 
     def forget(self, req_id: str, request=None) -> None:
         """The request ended: keep its output for its tenant's later requests, unless it was
@@ -241,3 +222,23 @@ class RowLookup:
         """Forget every earlier output (vLLM reset its prefix cache, or the worker sleeps)."""
         if self.history is not None:
             self.history.clear()
+
+
+def better_draft(found: Found, looked_up: Found) -> Found:
+    """A row's lookup draft where it matches more than the draft `found` (its prediction's,
+    or none)."""
+    if len(looked_up[1]) and (not len(found[1]) or looked_up[1].match > found[1].match):
+        return looked_up
+    return found
+
+
+def budgeted_lookup_draft(context, budget: int, history, options: SelfAdmgOptions) -> Found:
+    """A row's lookup draft of at most `max_draft_unless_copying` tokens, as a lookup of that
+    budget finds it; only a copy (it matches as many of the context's last tokens as a lookup
+    compares, `lookup_max_match`) is looked up again for the row's whole budget."""
+    max_match = options.lookup_max_match
+    capped = options.uncopied_budget(budget)
+    found = lookup_draft(context, capped, max_match, history)
+    if capped < budget and found[1].match >= max_match:
+        found = lookup_draft(context, budget, max_match, history)
+    return found
