@@ -96,6 +96,7 @@ PROPOSER_COUNTERS = (
     "faults",
     "propose_calls",
     "propose_seconds",
+    "propose_cpu_seconds",
 )
 PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     # (None where the run's server did not count it: folders from before a counter existed.)
@@ -106,6 +107,12 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     # step waits for.
     "propose_ms_per_step": lambda p: (
         1000 * p["propose_seconds"] / p["propose_calls"] if p.get("propose_calls") else None
+    ),
+    # ... of which its thread had a core for (below it: the proposer waited for a core).
+    "propose_cpu_ms_per_step": lambda p: (
+        1000 * p["propose_cpu_seconds"] / p["propose_calls"]
+        if p.get("propose_calls") and "propose_cpu_seconds" in p
+        else None
     ),
     # ... and by part (vllm_selfspec.operations.counters.PROPOSER_PARTS): where it goes.
     **{

@@ -258,6 +258,7 @@ def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
         "draft_seconds": 0.25,
         "propose_calls": 200,
         "propose_seconds": 0.5,
+        "propose_cpu_seconds": 0.25,
     }
     after["part_seconds"] = {"look_up": 0.2, "plan": 0.1}
     assert serving.spent(before, after) == dict.fromkeys(serving.PROPOSER_COUNTERS, 0) | {
@@ -266,6 +267,7 @@ def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
         "draft_seconds": 0.25,
         "propose_calls": 200,
         "propose_seconds": 0.5,
+        "propose_cpu_seconds": 0.25,
         "part_seconds": dict.fromkeys(PROPOSER_PARTS, 0) | {"look_up": 0.2, "plan": 0.1},
     }
     assert serving.spent(None, after) is None
@@ -275,11 +277,13 @@ def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
     rows = {r["server"]: r for r in serving.summarize(runs)}
     assert rows["self-admg"]["probe_s"] == 2.5 and rows["plain"]["probe_s"] is None
     assert rows["self-admg"]["propose_ms_per_step"] == 2.5  # 0.5 s over 200 steps
+    assert rows["self-admg"]["propose_cpu_ms_per_step"] == 1.25  # of which the thread had a core for 0.25 s
     assert rows["self-admg"]["propose_ms_look_up"] == 1.0 and rows["self-admg"]["propose_ms_learn"] == 0
     # A folder from before the proposer counted its own time reads as not counted.
     runs[1].proposer = {"probe_seconds": 1.0, "draft_seconds": 0.0, "draft_tokens": 0}
     rows = {r["server"]: r for r in serving.summarize(runs)}
     assert rows["self-admg"]["probe_s"] == 1.0 and rows["self-admg"]["propose_ms_per_step"] is None
+    assert rows["self-admg"]["propose_cpu_ms_per_step"] is None
 
 
 def test_the_step_fit_replay_predicts_linear_steps_and_reports_each_kind(tmp_path, capsys):

@@ -245,6 +245,8 @@ def test_a_wait_for_requests_is_not_charged_to_the_next_step(admg_mixed, tiny_pr
     assert 0 < report["steps_timed"] - timed_before <= len(seconds) <= report["steps_timed"]
     # The proposer's own time is counted apart, every step.
     assert report["propose_calls"] >= len(seconds) and report["propose_seconds"] > 0
+    # ... and its thread's CPU time beside it, which cannot exceed it (a clock tick of slack).
+    assert 0 < report["propose_cpu_seconds"] <= report["propose_seconds"] + 0.01, report
     # ... and split by part, the parts adding up to it (what is outside them: a few calls).
     parts = report["part_seconds"]
     assert set(parts) == set(PROPOSER_PARTS) and min(parts.values()) > 0, parts

@@ -72,7 +72,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids, common_attn_metadata) -> list[list[int]]:
         """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
         Its time is on every step's critical path, drafting or not, so it is counted."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             drafter = self.self_drafter
             return self.pipeline.propose(
@@ -85,6 +85,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
         finally:
             self.counters.propose_calls += 1
             self.counters.propose_seconds += time.perf_counter() - start
+            self.counters.propose_cpu_seconds += time.thread_time() - cpu_start
 
     def _draft(self, prepared: PreparedStep, common_attn_metadata, warm_up: bool) -> list[list[int]]:
         """The part every rank runs alike: the shared plan, lookup drafts and self-drafts. Each

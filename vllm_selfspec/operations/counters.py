@@ -30,6 +30,9 @@ class ProposerCounters:
     draft_seconds: float = 0.0
     propose_calls: int = 0  # steps the proposer was asked for drafts
     propose_seconds: float = 0.0  # its own time in them, probes and self-drafts included
+    # The CPU time of the proposer's thread in them: well below `propose_seconds` where the
+    # thread waited for a core (other processes, the forward's threads), not for its own work.
+    propose_cpu_seconds: float = 0.0
     # The same by part: read_step (vLLM's state), learn, look_up, plan, agree (the ranks'
     # all-reduce) and draft (lookup drafts handed over, self-drafts): where a step's time goes.
     part_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROPOSER_PARTS, 0.0))
