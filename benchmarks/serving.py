@@ -108,7 +108,7 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     "propose_ms_per_step": lambda p: (
         1000 * p["propose_seconds"] / p["propose_calls"] if p.get("propose_calls") else None
     ),
-    # ... of which its thread had a core for (below it: the proposer waited for a core).
+    # ... of which its thread was on a core (the rest: descheduled or blocked).
     "propose_cpu_ms_per_step": lambda p: (
         1000 * p["propose_cpu_seconds"] / p["propose_calls"]
         if p.get("propose_calls") and "propose_cpu_seconds" in p

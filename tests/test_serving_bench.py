@@ -284,6 +284,10 @@ def test_self_admg_servers_report_what_their_proposer_spent_and_others_do_not():
     rows = {r["server"]: r for r in serving.summarize(runs)}
     assert rows["self-admg"]["probe_s"] == 1.0 and rows["self-admg"]["propose_ms_per_step"] is None
     assert rows["self-admg"]["propose_cpu_ms_per_step"] is None
+    # ... and one from before it counted its thread's CPU time, as not counted for that column only.
+    runs[1].proposer = {"propose_calls": 200, "propose_seconds": 0.5}
+    rows = {r["server"]: r for r in serving.summarize(runs)}
+    assert rows["self-admg"]["propose_ms_per_step"] == 2.5 and rows["self-admg"]["propose_cpu_ms_per_step"] is None
 
 
 def test_the_step_fit_replay_predicts_linear_steps_and_reports_each_kind(tmp_path, capsys):

@@ -30,8 +30,9 @@ class ProposerCounters:
     draft_seconds: float = 0.0
     propose_calls: int = 0  # steps the proposer was asked for drafts
     propose_seconds: float = 0.0  # its own time in them, probes and self-drafts included
-    # The CPU time of the proposer's thread in them: well below `propose_seconds` where the
-    # thread waited for a core (other processes, the forward's threads), not for its own work.
+    # The CPU time of the proposer's thread in them: below `propose_seconds` by the time it was
+    # off a core, descheduled or blocked (the ranks' all-reduce included); a spin-wait counts as
+    # CPU time.
     propose_cpu_seconds: float = 0.0
     # The same by part: read_step (vLLM's state), learn, look_up, plan, agree (the ranks'
     # all-reduce) and draft (lookup drafts handed over, self-drafts): where a step's time goes.
