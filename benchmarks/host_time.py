@@ -155,6 +155,7 @@ class MockedRunner:
             self._admit(i, r)
         self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB)
         self.admitted = list(rows)  # (in the first step's scheduler output)
+        self.evicting: np.ndarray | None = None  # written through after each step (--evict-mb)
 
     def _admit(self, i: int, r: Row) -> None:
         batch = self.input_batch
@@ -224,6 +225,8 @@ class MockedRunner:
             scheduled_spec_decode_tokens={r.req_id: d for r, d in zip(self.rows, drafts) if d},
         )
         self.admitted = []
+        if self.evicting is not None:  # (as a forward on the CPU streams its weights through the caches)
+            self.evicting += 1
         return output, sampled
 
 
@@ -351,6 +354,13 @@ def parse_args(argv=None):
         help="what the lookup gate is told a row's lookup costs, instead of its time: the same plans "
         "in every run, so that two checkouts compare by their time alone",
     )
+    parser.add_argument(
+        "--evict-mb",
+        type=int,
+        default=0,
+        help="write this many MiB after each step, outside the timed part, as a model's forward on the "
+        "CPU streams its weights through the caches (0: caches left warm, as a GPU host's are)",
+    )
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -369,6 +379,7 @@ def main(argv=None) -> Path:
     ngram = ngram_proposer(args.k, max(args.context + answer + 1, longest), args.ngram_source)
     history = earlier_outputs(args.history_tokens, 0)
     pool = np.concatenate([np.append(h, -1) for h in history])
+    evicting = np.zeros(args.evict_mb << 20, dtype=np.uint8) if args.evict_mb else None
     rows = []
     for round_ in range(args.rounds):
         for workload in args.workloads:
@@ -377,6 +388,7 @@ def main(argv=None) -> Path:
                 made = {"context": args.context, "answer": answer, "history": pool, "seed": round_}
                 run = {"k": args.k, "steps": args.steps, "warm_up": args.warm_up}
                 runner = make_runner(workload, batch, made, answers)
+                runner.evicting = evicting
                 earlier = history if workload == "history" else None
                 ours = run_ours(
                     runner,
@@ -387,6 +399,7 @@ def main(argv=None) -> Path:
                     **run,
                 )
                 runner = make_runner(workload, batch, made, answers)  # (the same rows, anew)
+                runner.evicting = evicting
                 theirs = run_ngram(ngram, runner, **run) if ngram is not None else None
                 rows.append(result_row(round_, workload, batch, args.steps, ours, theirs))
                 print(rows[-1], flush=True)
@@ -479,7 +492,9 @@ def write(rows: list[dict], args) -> None:
         f"# The proposer's host time per step ({env['cpu_model']}, {env['cpus']} CPUs)",
         "",
         f"K = {args.k}, {args.context}-token prompts, {args.steps} steps measured after {args.warm_up}, "
-        f"{args.rounds} rounds; step costs pinned to an 8B model's H100 step. `python -m benchmarks.host_time "
+        f"{args.rounds} rounds; step costs pinned to an 8B model's H100 step; "
+        + (f"{args.evict_mb} MiB written between steps. " if args.evict_mb else "caches warm between steps. ")
+        + "`python -m benchmarks.host_time "
         + " ".join(os.sys.argv[1:])
         + "`",
         "",

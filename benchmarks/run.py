@@ -39,10 +39,13 @@ from pathlib import Path
 from benchmarks.engine import CORES_ENV_VAR, ISA_FLAGS, bind_worker_cores, build_llm, choose_dtype, close_llm, cpu_flags
 from benchmarks.output import default_out
 from benchmarks.serve_load import markdown_table
+from vllm_selfspec.options import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # proposer_report via RPC
 
-K = 4  # draft length for every speculative method
+# The draft length self-admg ships with, for every speculative method alike, so that a method named
+# plainly runs what a user gets (NAME@K for another length).
+K = DEFAULT_NUM_SPECULATIVE_TOKENS
 
 MODES = {
     # target, draft for draft_model, workloads, batch sizes, temperatures, prompts per batch-1

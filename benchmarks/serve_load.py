@@ -401,7 +401,7 @@ def parse_args(argv=None):
         "tenants, min_p, logit_bias, aborts mid-stream); prompts may repeat",
     )
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds per server")
-    parser.add_argument("--speculative-config", default='{"method": "self-admg", "num_speculative_tokens": 4}')
+    parser.add_argument("--speculative-config", default='{"method": "self-admg"}', help="default: its default options")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gb", type=int, default=2)
     parser.add_argument("--out", type=Path, help="results folder; default: serve-load-<date> in the cache")

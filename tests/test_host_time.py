@@ -59,3 +59,16 @@ def test_the_pipeline_forgets_the_requests_a_replay_ends(monkeypatch):
     run_ours(runner, k=4, steps=60, warm_up=0, options={}, history=None, lookup_seconds_per_row=5e-6)
     assert len(held) == len(runner.finished) >= 3
     assert max(held) <= 2  # (never more than the rows in flight)
+
+
+def test_writing_the_caches_between_steps_changes_no_plan():
+    """`--evict-mb` writes a buffer after each step, as a CPU forward streams its weights through
+    the caches: it moves the proposer's time only, never a plan or a draft (lookup costs pinned)."""
+    runs, evicting = [], np.zeros(1 << 16, dtype=np.uint8)
+    for buffer in (None, evicting):
+        runner = recorded_runner(copying_answers(3), batch=2, seed=0)
+        runner.evicting, plans = buffer, []
+        run_ours(runner, k=8, steps=30, warm_up=0, options={}, history=None, plans=plans, lookup_seconds_per_row=5e-6)
+        runs.append(plans)
+    assert runs[0] == runs[1] and any(p["drafts"] != [[], []] for p in runs[0])
+    assert (evicting == 30).all()  # (written once a step, every byte)
