@@ -20,7 +20,7 @@ The model, in units of one plain decode step at the same batch:
 from __future__ import annotations
 
 DRAFT_MARGIN = 0.2  # as vllm_selfspec.control.planner.DRAFT_MARGIN
-K = 4  # num_speculative_tokens, the default
+K = 4  # num_speculative_tokens the projection assumes (the verification costs below are of 4 drafts)
 
 # Measured on one H200 (docs/gpu.md says where): bf16, every step in a CUDA graph, real shapes with random
 # weights and 1,024 tokens of context a row. Per batch: (verify 4 drafts, skip half of attention and MLP),

@@ -85,7 +85,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", help="default: bfloat16 where this machine runs it natively, else float32")
-    parser.add_argument("--speculative-config", default='{"method": "self-admg", "num_speculative_tokens": 4}')
+    parser.add_argument("--speculative-config", default='{"method": "self-admg"}', help="default: its default options")
     parser.add_argument("--address", help="Ray cluster address (default: a local cluster)")
     parser.add_argument("--num-gpus", type=float, default=0, help="GPUs per replica")
     parser.add_argument("--check", action="store_true", help="compare with plain decoding row by row")

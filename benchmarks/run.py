@@ -780,7 +780,8 @@ def write_results(out: Path, args, rows, ablation_rows, cells, final: bool) -> s
         writer.writerows(rows + ablation_rows)
     header = (
         f"Model {args.model} ({args.dtype}), {', '.join(args.workloads)}, up to {args.max_tokens} "
-        f"tokens per request, fresh prompts in every cell, K={K}, {args.repeat} repeat(s); "
+        f"tokens per request, fresh prompts in every cell, K={K} (for a method named NAME@K, K), "
+        f"{args.repeat} repeat(s); "
         f"{env['cpus']} CPUs ({env['processor']}, {env['machine']}), vLLM {env['vllm']}, "
         f"{'eager' if args.enforce_eager else 'compiled'} engines; {env['date']}"
         f"{'' if final else ' (incomplete: still running or stopped)'}.\n"

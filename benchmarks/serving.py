@@ -1116,7 +1116,9 @@ def main(argv=None) -> Path:
     tokenizer, args.max_model_len = load_model_facts(args.model_path, args.max_model_len)
     out = args.out
     (out / "raw").mkdir(parents=True, exist_ok=True)
-    (out / "environment.json").write_text(json.dumps(environment(args), indent=2, default=str))
+    # (each server's speculative config as sent, so that a kept folder says which K it measured)
+    configs = {"speculative_configs": {s.name: s.speculative_config for s in servers(args)}}
+    (out / "environment.json").write_text(json.dumps(environment(args) | configs, indent=2, default=str))
     print(f"dtype {args.dtype_reason}; results in {out}", flush=True)
     for workload in args.workloads:  # before hours of serving, not after
         prompts = first_prompts(workload, tokenizer, args.prompts_file)

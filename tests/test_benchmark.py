@@ -11,6 +11,7 @@ import pytest
 import benchmarks.run as bench
 from benchmarks import serve_load, serving
 from benchmarks.output import results_root
+from vllm_selfspec.options import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
 def test_lossless_check_flags_mismatches():
@@ -50,10 +51,12 @@ def test_repeats_pool_into_one_cell_per_method_and_cell():
 
 def test_methods_are_chosen_by_name_with_an_optional_draft_length():
     known = bench.method_configs(None)
-    chosen = bench.choose_methods(known, "plain", ["suffix@8", "self-admg"])
-    assert list(chosen) == ["plain", "suffix@8", "self-admg"]
-    assert chosen["suffix@8"] == {**known["suffix"], "num_speculative_tokens": 8}
+    chosen = bench.choose_methods(known, "plain", ["suffix@3", "self-admg"])
+    assert list(chosen) == ["plain", "suffix@3", "self-admg"]
+    assert chosen["suffix@3"] == {**known["suffix"], "num_speculative_tokens": 3}
     assert chosen["self-admg"] == known["self-admg"] and known["suffix"]["num_speculative_tokens"] == bench.K
+    # (a method named plainly runs what ships: self-admg's default draft length, for every method)
+    assert bench.K == DEFAULT_NUM_SPECULATIVE_TOKENS == known["self-admg"]["num_speculative_tokens"]
     assert list(bench.choose_methods(known, "suffix", None))[0] == "suffix"  # all, baseline first
     for bad in ("eagle", "suffix@0", "suffix@x", "plain@4"):
         with pytest.raises(SystemExit, match="suffix@8"):

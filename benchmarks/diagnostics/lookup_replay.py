@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.serving import capacity_points
-from vllm_selfspec.options import make_options
+from vllm_selfspec.options import DEFAULT_NUM_SPECULATIVE_TOKENS, make_options
 from vllm_selfspec.sources.lookup import OutputHistory, lookup_draft
 
 
@@ -141,7 +141,9 @@ def main(argv=None) -> None:
     parser.add_argument("folder", type=Path, help="a benchmarks.serving results folder")
     parser.add_argument("--workload", default="chat")
     parser.add_argument("--server", default="r0-0-plain", help="whose answers to replay (raw/<server>-...)")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens at most, as the servers' num_speculative_tokens")
+    parser.add_argument(
+        "--k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS, help="draft tokens at most, as the servers' K"
+    )
     args = parser.parse_args(argv)
     environment = json.loads((args.folder / "environment.json").read_text())
     settings = environment["settings"]

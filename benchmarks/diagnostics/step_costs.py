@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--spec", default='{"method": "self-admg", "num_speculative_tokens": 4}')
+    parser.add_argument("--spec", default='{"method": "self-admg"}', help="default: its default options")
     args = parser.parse_args(argv)
     dtype = choose_dtype(args.dtype)
     print(f"dtype {dtype.reason}", flush=True)
