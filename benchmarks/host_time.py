@@ -387,8 +387,7 @@ def main(argv=None) -> Path:
                 options = {"lookup_history_unsalted": True} if workload == "history" else {}
                 made = {"context": args.context, "answer": answer, "history": pool, "seed": round_}
                 run = {"k": args.k, "steps": args.steps, "warm_up": args.warm_up}
-                runner = make_runner(workload, batch, made, answers)
-                runner.evicting = evicting
+                runner = make_runner(workload, batch, made, answers, evicting)
                 earlier = history if workload == "history" else None
                 ours = run_ours(
                     runner,
@@ -398,8 +397,7 @@ def main(argv=None) -> Path:
                     lookup_seconds_per_row=args.lookup_seconds_per_row,
                     **run,
                 )
-                runner = make_runner(workload, batch, made, answers)  # (the same rows, anew)
-                runner.evicting = evicting
+                runner = make_runner(workload, batch, made, answers, evicting)  # (the same rows, anew)
                 theirs = run_ngram(ngram, runner, **run) if ngram is not None else None
                 rows.append(result_row(round_, workload, batch, args.steps, ours, theirs))
                 print(rows[-1], flush=True)
@@ -428,10 +426,14 @@ def recorded_answers(args) -> list | None:
     return served_answers.load(path)[0]
 
 
-def make_runner(workload: str, batch: int, made: dict, answers: list | None) -> MockedRunner:
+def make_runner(workload: str, batch: int, made: dict, answers: list | None, evicting=None) -> MockedRunner:
+    """`evicting`: the buffer written after each step (--evict-mb), or None."""
     if workload == "recorded":
-        return recorded_runner(answers, batch, made["seed"])
-    return MockedRunner(make_rows(workload, batch, **made), made["answer"])
+        runner = recorded_runner(answers, batch, made["seed"])
+    else:
+        runner = MockedRunner(make_rows(workload, batch, **made), made["answer"])
+    runner.evicting = evicting
+    return runner
 
 
 def result_row(round_: int, workload: str, batch: int, steps: int, ours: Measured, theirs: Measured | None) -> dict:

@@ -1116,14 +1116,15 @@ def main(argv=None) -> Path:
     tokenizer, args.max_model_len = load_model_facts(args.model_path, args.max_model_len)
     out = args.out
     (out / "raw").mkdir(parents=True, exist_ok=True)
+    specs = servers(args)
     # (each server's speculative config as sent, so that a kept folder says which K it measured)
-    configs = {"speculative_configs": {s.name: s.speculative_config for s in servers(args)}}
+    configs = {"speculative_configs": {s.name: s.speculative_config for s in specs}}
     (out / "environment.json").write_text(json.dumps(environment(args) | configs, indent=2, default=str))
     print(f"dtype {args.dtype_reason}; results in {out}", flush=True)
     for workload in args.workloads:  # before hours of serving, not after
         prompts = first_prompts(workload, tokenizer, args.prompts_file)
         slices(prompts, point_sizes(args, len(prompts)), workload)
-    plan, runs, specs = Plan(), [], servers(args)
+    plan, runs = Plan(), []
     command = "python -m benchmarks.serving " + " ".join(sys.argv[1:])
     for round_ in range(args.rounds):
         for slot, spec in enumerate(round_order(specs, round_, args.plain_between)):
