@@ -1078,6 +1078,29 @@ def test_a_retry_drafts_with_the_rows_that_have_a_mask_or_else_one_new_row():
     assert retry.self_rows == [True, False, False]
 
 
+def test_a_due_retry_is_made_only_if_it_pays_and_fits_every_rows_room():
+    """A retry that could pay back its draft step is made only within the room the per-row rule
+    leaves (`room()`), and one that could not pay is never made, whatever the room."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.control.planner import Choice, make_retry
+
+    offers = StepOffers.of([dataclasses.replace(o, has_mask=True) for o in self_rows(2)])
+    costs = SimpleNamespace(self_step_measured=True, probe_seconds=None, self_step_seconds=lambda rows: 0.001)
+    step, cost = SimpleNamespace(t_verify=0.0005), [0.0001, 0.0001]  # (seconds a verified token, a row each)
+    retry_seconds = 0.001 + 2 * 0.0001 + 0.0005  # a draft step, both rows' verification, t_verify
+
+    def retried(room, best_saving=1.0):
+        choice = Choice([0, 0], tokens=2.0, seconds=0.01, best_self_saving=best_saving)
+        made = make_retry(costs, offers, [0, 1], choice, 8, cost, step, room=room)
+        assert made == (choice.self_length == 1)
+        return made and choice.self_rows == {0, 1} and choice.seconds == pytest.approx(0.01 + retry_seconds)
+
+    assert retried(room=None) and retried(room=lambda: retry_seconds * 1.01)
+    assert not retried(room=lambda: retry_seconds * 0.99)
+    assert not retried(room=None, best_saving=0.0) and not retried(room=lambda: 1.0, best_saving=0.0)
+
+
 def test_before_costs_are_known_only_free_drafts_are_made():
     """Lookup drafts need no forward pass; self-drafts wait until their cost can be judged."""
     plan = DraftController().plan(lookup_rows(2, 4) + self_rows(1), self_budget=3)
