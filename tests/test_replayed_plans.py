@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_controller import closed, lookup_rows, self_rows, trained
 
 from benchmarks.host_time import MockedRunner, earlier_outputs, make_rows, run_ours
 from vllm_selfspec.control.step_costs import StepCostModel
@@ -62,19 +63,23 @@ def test_the_plan_and_gains_kernels_compile_once():
     """Every plan, every step's gains, predictions and lessons call their compiled kernels with the types their
     warm-ups compiled at the engine's start: a second signature would be compiled in the middle
     of a serving step."""
-    from vllm_selfspec.control import acceptance, cost_fit, lookup_plan, request_rates
+    from vllm_selfspec.control import acceptance, cost_fit, draining_plan, lookup_plan, request_rates
     from vllm_selfspec.sources import request_predictions
 
     lookup_plan.warm_up()
     acceptance.warm_up()
     request_predictions.warm_up()
     cost_fit.warm_up()
+    draining_plan.warm_up()
     for workload in ("lookup", "prediction"):
         replay(workload, 8)
     costs = StepCostModel()  # (the replays' costs are pinned: learned ones update their sums)
     for rows in range(1, 12):
         costs.observe_step(0, rows, 0, 1e-3 * rows, draft_tokens=rows // 2, context_read=100.0 * rows)
         costs.observe_self_step(rows, 1e-4 * rows)
+    offline = trained(t0=0.28, t1=0.0088, self_step=0.05, lookup_rate=0.99, self_rate=0.95)
+    draining = closed(lookup_rows(4, 2) + self_rows(1), [30, 29, 30])
+    assert offline.plan(draining, self_budget=4, draining=True).self_length
     assert len(lookup_plan.greedy_lookup_plan.signatures) == 1, lookup_plan.greedy_lookup_plan.signatures
     assert len(lookup_plan.steady_lookup_plan.signatures) == 1, lookup_plan.steady_lookup_plan.signatures
     assert len(acceptance._lookup_gains.signatures) == 1, acceptance._lookup_gains.signatures
@@ -83,6 +88,7 @@ def test_the_plan_and_gains_kernels_compile_once():
     assert len(request_predictions.follow_rows.signatures) == 1, request_predictions.follow_rows.signatures
     assert len(cost_fit.ridge_nonnegative_fit.signatures) == 1, cost_fit.ridge_nonnegative_fit.signatures
     assert len(cost_fit.add_decayed.signatures) == 1, cost_fit.add_decayed.signatures
+    assert len(draining_plan.finish_lines.signatures) == 1, draining_plan.finish_lines.signatures
 
 
 def test_the_recording_drafts():

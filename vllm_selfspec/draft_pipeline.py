@@ -14,6 +14,7 @@ from typing import NamedTuple
 from vllm_selfspec.control import DraftController, DraftPlan, StepGains, StepOffers
 from vllm_selfspec.control.acceptance import warm_up as warm_up_acceptance
 from vllm_selfspec.control.cost_fit import warm_up as warm_up_cost_fit
+from vllm_selfspec.control.draining_plan import warm_up as warm_up_draining_plan
 from vllm_selfspec.control.first_tokens import FirstTokenPolicy, FirstTokens
 from vllm_selfspec.control.learning import StepLessons
 from vllm_selfspec.control.lookup_plan import warm_up as warm_up_lookup_plan
@@ -59,6 +60,7 @@ class DraftPipeline:
         fail_safe.attempt(warm_up_lookup_plan)
         fail_safe.attempt(warm_up_acceptance)
         fail_safe.attempt(warm_up_cost_fit)
+        fail_safe.attempt(warm_up_draining_plan)
         fail_safe.attempt(warm_up_prediction_cursor)
         fail_safe.attempt(warm_up_request_predictions)
         if options.lookup:

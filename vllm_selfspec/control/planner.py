@@ -22,6 +22,7 @@ import numpy as np
 
 from vllm_selfspec.control.acceptance import AcceptanceModel, StepGains
 from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
+from vllm_selfspec.control.draining_plan import FinishLines, finish_lines
 from vllm_selfspec.control.lookup_plan import NO_DUE, greedy_lookup_plan, steady_lookup_plan
 from vllm_selfspec.control.offers import RowOffer, StepOffers
 from vllm_selfspec.control.row_ledger import PlannedStep, RowLedger
@@ -221,12 +222,11 @@ class DraftPlanner:
         plain_seconds = laid.plain_seconds
         self_rows = np.flatnonzero(laid.self_rows).tolist()
         if not steady:
-            rows, cost = offers.rows, laid.cost.tolist()
-            choice = draining_choice(rows, gains, cost, step, self_budget, self.acceptance.self_rate, self.costs)
+            choice = draining_choice(offers, gains, laid.cost, step, self_budget, self.acceptance.self_rate, self.costs)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
             # step, on up to K/(K+1) of the steps left to the batch's end.
             self_step = self.costs.self_step_seconds(len(self_rows))
-            choice.best_self_saving = (step.t0 - self_step - step.t_verify) * max(o.tokens_left for o in rows)
+            choice.best_self_saving = (step.t0 - self_step - step.t_verify) * float(offers.remaining.max(initial=0.0))
         else:
             choice = self._steady(offers, step_gains, laid, step.t_verify, self_rows, self_budget, prompts_waiting)
         explored = False
@@ -682,43 +682,34 @@ class GiveBack:
         return token
 
 
-def draining_choice(offers, gains, cost, step, self_budget, a_self: float, costs: StepCostModel) -> Choice:
-    """The plan that brings a draining batch's end nearest, net of what it costs (module
-    docstring): every row drafts to a common finish line r steps nearer, lookup where its
+def draining_choice(offers: StepOffers, gains, cost, step, self_budget, a_self: float, costs: StepCostModel) -> Choice:
+    """The plan that brings a draining batch's end nearest, net of what it costs
+    (`draining_plan`): every row drafts to a common finish line r steps nearer, lookup where its
     draft is long enough, else self-draft; the best r, or no draft. A row not probed yet pays its
     whole probe (a few target steps) in the plan that first self-drafts it: a draining batch has
     few steps left to spread it over, and a retry, on its back-off, still probes one."""
-    left = [o.tokens_left for o in offers]
+    left = offers.remaining
     # Tokens ahead of the last rows (rows without a limit are level with each other).
-    lead = [0 if r == max(left) else max(left) - r for r in left]
-    t0, t_verify, measured = step.t0, step.t_verify, costs.self_step_measured
-    best_net, best = 0.0, Choice([0] * len(offers))
-    for finish in range(1, max(max(o.lookup_tokens for o in offers), self_budget) + 1):
-        need = [max(0, finish - d) for d in lead]  # a row d tokens ahead needs finish - d
-        lengths, self_rows, survival = [0] * len(offers), set(), []  # survival: P(accepted >= j)
-        for i, (o, n) in enumerate(zip(offers, need)):
-            if n and o.lookup_tokens >= n:
-                lengths[i] = n
-                survival.append(gains[i][:n])
-            elif n and o.can_self_draft and measured and self_budget >= n:
-                self_rows.add(i)
-                survival.append([a_self**j for j in range(1, n + 1)])
-            elif n:  # this row cannot reach the line, nor any farther one: the batch cannot end sooner
-                return best
-            else:
-                survival.append([])
-        # E[min over rows of (lead + accepted)], counted in whole tokens up to the line.
-        nearer = sum(
-            math.prod(1.0 if y <= d else (s[y - d - 1] if y - d <= len(s) else 0.0) for d, s in zip(lead, survival))
-            for y in range(1, finish + 1)
+    last = left.max(initial=0.0)
+    lead = np.subtract(last, left, out=np.zeros(len(left)), where=left != last)
+    may_self_draft = offers.can_self_draft & costs.self_step_measured
+    self_gains = np.array([a_self**j for j in range(1, self_budget + 1)], dtype=np.float64)
+    lines = FinishLines(
+        *finish_lines(
+            lead, offers.lookup_tokens, may_self_draft, offers.has_mask, np.asarray(cost, dtype=np.float64),
+            gains, self_gains, self_budget, step.t0, step.t_verify,
         )
-        saved = t0 * nearer + sum(c * sum(s) for c, s in zip(cost, survival))
-        self_length = max((need[i] for i in self_rows), default=0)
-        spent = (
-            t_verify + sum(c * n for c, n in zip(cost, need)) + self_length * costs.self_step_seconds(len(self_rows))
-        )
-        if probes := sum(not offers[i].has_mask for i in self_rows):  # (a few target steps each)
-            spent += probes * (costs.probe_seconds or 0.0)
-        if saved - spent > best_net:
-            best_net, best = saved - spent, Choice(lengths, self_length, self_rows)
-    return best
+    )  # fmt: skip
+    best_net, best_line = 0.0, 0
+    for r in range(len(lines)):
+        spent = lines.spent[r] + lines.self_length[r] * costs.self_step_seconds(lines.self_rows[r])
+        if lines.probes[r]:  # (a few target steps each)
+            spent += lines.probes[r] * (costs.probe_seconds or 0.0)
+        if lines.saved[r] - spent > best_net:
+            best_net, best_line = lines.saved[r] - spent, r + 1
+    if not best_line:
+        return Choice([0] * len(offers))
+    need = np.maximum(best_line - lead, 0).astype(np.int64)
+    by_lookup = offers.lookup_tokens >= need
+    self_rows = set(np.flatnonzero(~by_lookup).tolist())
+    return Choice(np.where(by_lookup, need, 0).tolist(), lines.self_length[best_line - 1], self_rows)
