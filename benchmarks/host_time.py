@@ -16,6 +16,9 @@ would get, whatever this machine's speed. Workloads:
   history     answers copied from earlier outputs, in a --history-token pool shared by
               unsalted requests (`lookup_history_unsalted`), another request's output of 256
               tokens joining it each step (a busy server's requests ending);
+  offline     the lookup workload as `LLM.generate` runs it: a closed batch whose rows end
+              with nobody taking their place, so that after a few steps it drains (only its
+              end counts: the planner's finish-line plan);
   recorded    real prompts and the model's answers to them (`benchmarks.served_answers`,
               --answers), B in flight as at a server's capacity: each request that ends
               gives its place to the next, whose prompt the step prefills.
@@ -57,7 +60,7 @@ from vllm_selfspec.scheduler_note import SchedulerNote
 from vllm_selfspec.sources.prediction import PREDICTION_KEY
 from vllm_selfspec.vllm_integration.runner_state import StepView
 
-WORKLOADS = ("nothing", "lookup", "prediction", "history", "recorded")
+WORKLOADS = ("nothing", "lookup", "prediction", "history", "offline", "recorded")
 VOCAB = 32000
 # An H100 step of an 8B model at context 1024 (verify_costs_h100.md): 7.56 ms at batch 16,
 # 9.95 ms at 64; verifying a draft of 4 at batch 16 costs 1.24x.
@@ -251,13 +254,15 @@ def run_ours(
     finishing: list | None = None,
     plans: list | None = None,
     lookup_seconds_per_row: float | None = None,
+    closed_batches: bool = False,
 ) -> Measured:
     """The pipeline as the proposer drives it each step (`DraftPipeline.propose`), minus
     self-drafting (which needs the model). `finishing`: outputs of other requests, one ending
     each step (its output kept in the shared history, in the step's time, as the proposer keeps
     it when vLLM drops the request). `plans`: each step's plan and drafts are appended
     to it; `lookup_seconds_per_row`: what the lookup gate is told lookups cost, instead of
-    their time (so that plans replay exactly, tests/test_replayed_plans.py)."""
+    their time (so that plans replay exactly, tests/test_replayed_plans.py); `closed_batches`:
+    an offline engine's (`SchedulerNote.closed_batches`)."""
     pipeline = DraftPipeline(make_options(options), k, FailSafe())
     pin_step_costs(pipeline.controller.costs, **GPU_8B)
     if lookup_seconds_per_row is not None:
@@ -282,7 +287,8 @@ def run_ours(
         start = time.perf_counter()
         for req_id, request in runner.ended:  # (vLLM dropped them: what the proposer keeps goes)
             pipeline.forget(req_id, request)
-        note = SchedulerNote(tenants=tuple((r.req_id, None) for r in output.scheduled_new_reqs))
+        tenants = tuple((r.req_id, None) for r in output.scheduled_new_reqs)
+        note = SchedulerNote(tenants=tenants, closed_batches=closed_batches)
         pipeline.begin_step(note, runner.requests)
         if finishing:
             pipeline.lookup.history.add(None, finishing[step_index % len(finishing)])
@@ -395,6 +401,7 @@ def main(argv=None) -> Path:
                     history=earlier,
                     finishing=earlier,
                     lookup_seconds_per_row=args.lookup_seconds_per_row,
+                    closed_batches=workload == "offline",
                     **run,
                 )
                 runner = make_runner(workload, batch, made, answers, evicting)  # (the same rows, anew)
@@ -431,7 +438,8 @@ def make_runner(workload: str, batch: int, made: dict, answers: list | None, evi
     if workload == "recorded":
         runner = recorded_runner(answers, batch, made["seed"])
     else:
-        runner = MockedRunner(make_rows(workload, batch, **made), made["answer"])
+        rows = make_rows("lookup" if workload == "offline" else workload, batch, **made)
+        runner = MockedRunner(rows, made["answer"])
     runner.evicting = evicting
     return runner
 

@@ -22,14 +22,17 @@ from benchmarks.host_time import MockedRunner, earlier_outputs, make_rows, run_o
 from vllm_selfspec.control.step_costs import StepCostModel
 
 RECORDED = Path(__file__).parent / "data" / "replayed_plans.json"
-CASES = [(w, b) for w in ("nothing", "lookup", "prediction", "history") for b in (1, 8)] + [("prediction", 32)]
+CASES = [(w, b) for w in ("nothing", "lookup", "prediction", "history") for b in (1, 8)]
+CASES += [("prediction", 32), ("offline", 3), ("offline", 8)]
 K, STEPS, ANSWER = 8, 24, 400
 
 
 def replay(workload: str, batch: int) -> list[dict]:
     history = earlier_outputs(4096, 0)
     pool = np.concatenate([np.append(h, -1) for h in history])
-    rows = make_rows(workload, batch, context=256, answer=ANSWER, history=pool, seed=7)
+    rows = make_rows(
+        "lookup" if workload == "offline" else workload, batch, context=256, answer=ANSWER, history=pool, seed=7
+    )
     plans: list[dict] = []
     run_ours(
         MockedRunner(rows, ANSWER),
@@ -40,6 +43,7 @@ def replay(workload: str, batch: int) -> list[dict]:
         history=history if workload == "history" else None,
         plans=plans,
         lookup_seconds_per_row=20e-6,
+        closed_batches=workload == "offline",  # (a draining batch after its first steps)
     )
     return plans
 
