@@ -285,6 +285,7 @@ def run_ours(
         output, sampled = runner.step(drafts)
         parts: dict[str, float] = {}
         start = time.perf_counter()
+        clock = PartClock(parts)
         for req_id, request in runner.ended:  # (vLLM dropped them: what the proposer keeps goes)
             pipeline.forget(req_id, request)
         tenants = tuple((r.req_id, None) for r in output.scheduled_new_reqs)
@@ -292,9 +293,10 @@ def run_ours(
         pipeline.begin_step(note, runner.requests)
         if finishing:
             pipeline.lookup.history.add(None, finishing[step_index % len(finishing)])
+        clock.lap("update_states")
         step = StepView(runner, output, sampled, pipeline.request_facts)
         made.clear()
-        drafts = pipeline.propose(step, PartClock(parts), probed=(), warmed_up=True, draft=lookup_drafts)
+        drafts = pipeline.propose(step, clock, probed=(), warmed_up=True, draft=lookup_drafts)
         if step_index >= warm_up:
             measured.seconds.append(time.perf_counter() - start)
             measured.draft_tokens += sum(map(len, drafts))

@@ -20,7 +20,7 @@ import torch
 
 from vllm_selfspec.control import DraftPlan
 from vllm_selfspec.draft_pipeline import DraftPipeline, PreparedStep
-from vllm_selfspec.operations.counters import PartClock
+from vllm_selfspec.operations.counters import PartClock, updating_states
 from vllm_selfspec.operations.fail_safe import FailSafe
 from vllm_selfspec.operations.metrics import MetricsPublisher, metrics_snapshot
 from vllm_selfspec.options import ADDITIONAL_CONFIG_KEY, SelfAdmgConfigError, make_options
@@ -67,7 +67,7 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
     def begin_step(self, note: SchedulerNote, live_requests) -> None:
         """A step began (the scheduler's faults counted first: the pipeline's part may fault)."""
         self.scheduler_faults = max(self.scheduler_faults, note.scheduler_faults)
-        self.pipeline.begin_step(note, live_requests)
+        updating_states(self.counters, lambda: self.pipeline.begin_step(note, live_requests))
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids, common_attn_metadata) -> list[list[int]]:
         """This step's drafts; none if anything in making them fails on any rank (`fail_safe`).
@@ -131,9 +131,9 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
     def forget(self, req_id: str, request=None) -> None:
         """The runner dropped this request (finished or aborted): drop what is tracked for it
         (`DraftPipeline.forget`), even with drafting switched off."""
-        self.pipeline.forget(req_id, request)
+        updating_states(self.counters, lambda: self.pipeline.forget(req_id, request))
         if self.self_drafter is not None:
-            self.fail_safe.attempt(lambda: self.self_drafter.forget(req_id))
+            self.fail_safe.attempt(lambda: updating_states(self.counters, lambda: self.self_drafter.forget(req_id)))
 
     def forget_history(self) -> None:
         """Forget every earlier output (the worker sleeps)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # The parts of a step's proposer time, in the order they run (`PartClock`).
-PROPOSER_PARTS = ("read_step", "learn", "look_up", "plan", "agree", "draft")
+PROPOSER_PARTS = ("update_states", "read_step", "learn", "look_up", "plan", "agree", "draft")
 
 
 @dataclass
@@ -29,13 +29,16 @@ class ProposerCounters:
     draft_tokens: int = 0
     draft_seconds: float = 0.0
     propose_calls: int = 0  # steps the proposer was asked for drafts
-    propose_seconds: float = 0.0  # its own time in them, probes and self-drafts included
+    # Its own time in them, probes and self-drafts included, and its part in vLLM's
+    # `_update_states` as requests come and go (`SelfAdmgProposer.begin_step`, `forget`).
+    propose_seconds: float = 0.0
     # The CPU time of the proposer's thread in them: below `propose_seconds` by the time it was
     # off a core, descheduled or blocked (the ranks' all-reduce included); a spin-wait counts as
     # CPU time.
     propose_cpu_seconds: float = 0.0
-    # The same by part: read_step (vLLM's state), learn, look_up, plan, agree (the ranks'
-    # all-reduce) and draft (lookup drafts handed over, self-drafts): where a step's time goes.
+    # The same by part: update_states (requests admitted and dropped), read_step (vLLM's
+    # state), learn, look_up, plan, agree (the ranks' all-reduce) and draft (lookup drafts
+    # handed over, self-drafts): where a step's time goes.
     part_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROPOSER_PARTS, 0.0))
     lookup_tokens: int = 0  # from lookup, own context or history
     history_tokens: int = 0  # of which from earlier requests' outputs
@@ -76,3 +79,16 @@ class PartClock:
         now = time.perf_counter()
         self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
         self.last = now
+
+
+def updating_states(counters: ProposerCounters, work) -> None:
+    """`work()`, the proposer's part in vLLM's `_update_states` (requests admitted and dropped),
+    counted in its time: every step pays it, whether or not vLLM asks for drafts."""
+    start, cpu_start = time.perf_counter(), time.thread_time()
+    try:
+        work()
+    finally:
+        seconds = time.perf_counter() - start
+        counters.propose_seconds += seconds
+        counters.propose_cpu_seconds += time.thread_time() - cpu_start
+        counters.part_seconds["update_states"] += seconds
