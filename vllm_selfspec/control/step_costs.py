@@ -196,14 +196,17 @@ class StepCostModel:
 
 
 def pin_step_costs(costs: StepCostModel, *, t0: float, t_row: float, t_verify: float, self_step: float) -> None:
-    """Fix `costs` (seconds: per step, per logit row, once per step that verifies drafts, per
-    self-draft step) and stop them learning, so that what the planner decides follows from
-    acceptance alone, not from how fast the machine runs that moment: for tests and the lab."""
+    """Fix `costs`' fits (seconds: per step, per logit row, once per step that verifies drafts,
+    per self-draft step), so that what the planner decides follows from acceptance alone, not
+    from how fast the machine runs that moment: for tests and the lab. Steps are still observed,
+    their sums updated as a server's are every step, so that the lab times that work too."""
     step, drafting = target_step_cost(), self_step_cost()
     for rows in (1, 4, 8) * 4:
         for drafts in (0, 2):
             seconds = t0 + t_row * (rows + drafts) + t_verify * (drafts > 0)
             step.observe((0, rows + drafts, 0, drafts > 0, False, 0.0), seconds)
         drafting.observe((rows,), self_step)
-    step.observe = drafting.observe = lambda *args: None
+    for fitted in (step, drafting):
+        fit = fitted.coefficients()
+        fitted.coefficients = lambda fit=fit: fit
     costs.step, costs.self_step = step, drafting
