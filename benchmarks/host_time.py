@@ -6,19 +6,19 @@ on the host adds to every one of them: this measures that part alone, with no mo
 
 Synthetic batches of B rows decode their answers step by step as vLLM would run them: each
 step a row emits the draft tokens its answer bears out plus one, and the proposer's model-free
-stages (`vllm_selfspec.draft_pipeline`: read, learn, look up, offer, plan, hand over the lookup
-drafts) run over vLLM's runner state, mocked as plain arrays. Step costs are pinned to an H100
-step of an 8B model (`../shared/gpu/verify_costs_h100.md`), so that the plans are the ones a GPU
-would get, whatever this machine's speed. Workloads:
+stages (`vllm_selfspec.draft_pipeline`: requests admitted and dropped, read, learn, look up,
+offer, plan, hand over the lookup drafts) run over vLLM's runner state, mocked as plain arrays.
+Step costs are pinned to an H100 step of an 8B model (`../shared/gpu/verify_costs_h100.md`), so
+that the plans are the ones a GPU would get, whatever this machine's speed. Workloads:
   nothing     random prompts and answers: lookup finds little, nothing pays;
   lookup      answers that copy their prompts with edits (code edits, summaries);
   prediction  the same, each request sending its answer, edited, as OpenAI's `prediction`;
   history     answers copied from earlier outputs, in a --history-token pool shared by
               unsalted requests (`lookup_history_unsalted`), another request's output of 256
               tokens joining it each step (a busy server's requests ending);
-  offline     the lookup workload as `LLM.generate` runs it: a closed batch whose rows end
-              with nobody taking their place, so that after a few steps it drains (only its
-              end counts: the planner's finish-line plan);
+  offline     the lookup workload in a closed batch, as `LLM.generate` runs it: admitting
+              nobody after its first step, it counts as draining a few steps later (only
+              its end counts: the planner's finish-line plan);
   recorded    real prompts and the model's answers to them (`benchmarks.served_answers`,
               --answers), B in flight as at a server's capacity: each request that ends
               gives its place to the next, whose prompt the step prefills.

@@ -118,7 +118,7 @@ PROPOSER_COLUMNS = {  # column: what it reads of a run's proposer counters
     **{
         f"propose_ms_{part}": lambda p, part=part: (
             1000 * p["part_seconds"][part] / p["propose_calls"]
-            if p.get("part_seconds") and p.get("propose_calls")
+            if p.get("part_seconds") and p["part_seconds"].get(part) is not None and p.get("propose_calls")
             else None
         )
         for part in PROPOSER_PARTS
@@ -579,7 +579,10 @@ def spent(before: dict | None, after: dict | None) -> dict | None:
     spent_ = {key: round(after[key] - before[key], 3) for key in PROPOSER_COUNTERS}
     if "part_seconds" in after:  # (servers from before the proposer's time was split by part)
         begun, ended = before.get("part_seconds", {}), after["part_seconds"]
-        spent_["part_seconds"] = {p: round(ended.get(p, 0) - begun.get(p, 0), 4) for p in PROPOSER_PARTS}
+        # (a part a server did not count yet stays unknown, not 0)
+        spent_["part_seconds"] = {
+            p: round(ended[p] - begun.get(p, 0), 4) if p in ended else None for p in PROPOSER_PARTS
+        }
     return spent_
 
 

@@ -95,7 +95,7 @@ def spec_counters(llm) -> dict[str, float]:
 
 def pin_step_costs(llm, t0: float, t_row: float, t_verify: float, self_step: float) -> None:
     """Fix the engine controller's step costs (seconds: per step, per logit row, once per step
-    that verifies drafts, per self-draft step) and stop it learning them, so that what it decides
+    that verifies drafts, per self-draft step): it observes steps, but plans by these alone, so that what it decides
     follows from acceptance alone, not from how fast this machine runs the tiny model that
     moment. Its cost learning is unit-tested in test_controller.py."""
 

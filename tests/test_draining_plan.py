@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
 """A draining batch's plan by the compiled pass over finish lines (`control.draining_plan`)
-against the row-by-row reference below, over random batches: the same plan to the last bit."""
+against the row-by-row reference below, over random batches: the same plan to the last bit.
+The reference sums floats left to right (`in_order`), as the kernel does and as the builtin
+`sum` did before Python 3.12, which compensates its rounding."""
 
 from __future__ import annotations
 

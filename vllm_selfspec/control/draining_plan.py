@@ -8,8 +8,8 @@ Pricing a line takes the product over rows of each one's chance to reach every t
 it: rows x K^2 products a step, which in Python cost milliseconds at a few hundred rows. One
 compiled pass prices every line over the batch's arrays (`finish_lines`); the few lines it
 returns are chosen among in Python, where the self-draft step's seconds are the fitted model's.
-The arithmetic is the row-by-row reference's (tests/test_controller.py), operation for
-operation, so that the two make the same plans to the last bit.
+The arithmetic is the row-by-row reference's (tests/test_draining_plan.py), operation for
+operation, floats summed left to right, so that the two make the same plans to the last bit.
 """
 
 from __future__ import annotations

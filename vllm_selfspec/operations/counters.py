@@ -29,8 +29,9 @@ class ProposerCounters:
     draft_tokens: int = 0
     draft_seconds: float = 0.0
     propose_calls: int = 0  # steps the proposer was asked for drafts
-    # Its own time in them, probes and self-drafts included, and its part in vLLM's
-    # `_update_states` as requests come and go (`SelfAdmgProposer.begin_step`, `forget`).
+    # Its own time in them, probes and self-drafts included, and its part in every step's
+    # `_update_states` (vLLM's: requests admitted and dropped), asked for drafts or not
+    # (`SelfAdmgProposer.begin_step`, `forget`).
     propose_seconds: float = 0.0
     # The CPU time of the proposer's thread in them: below `propose_seconds` by the time it was
     # off a core, descheduled or blocked (the ranks' all-reduce included); a spin-wait counts as

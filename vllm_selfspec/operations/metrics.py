@@ -76,7 +76,10 @@ METRICS = {
     "probes": ("counter", "Prompts whose residual stream was measured for a self-draft"),
     "probe_seconds": ("counter", "Seconds spent measuring prompts"),
     "proposer_steps": ("counter", "Steps the proposer was asked for drafts"),
-    "proposer_seconds": ("counter", "Seconds the proposer spent in those steps, on the step's critical path"),
+    "proposer_seconds": (
+        "counter",
+        "Seconds the proposer spent on steps' critical path: proposing, and its part in every step's state update",
+    ),
     "requests_holding_state": ("gauge", "Requests the proposer keeps a skip mask for (0 when idle)"),
     "scheduler_faults": (
         "counter",
