@@ -102,3 +102,22 @@ def dataclass_with(row, **changes):
     import dataclasses
 
     return dataclasses.replace(row, **changes)
+
+
+def test_the_kernel_refuses_arrays_it_would_read_past():
+    """A compiled kernel reads past an array's end without a word: each shape is checked first."""
+    import pytest
+
+    from vllm_selfspec.control.draining_plan import finish_lines
+
+    rows, flags = np.zeros(2), np.ones(2, dtype=bool)
+    tokens, cost, gains, self_gains = np.full(2, 2, dtype=np.int64), np.full(2, 1e-3), np.full((2, 2), 0.5), np.ones(2)
+    assert len(finish_lines(rows, tokens, flags, flags, cost, gains, self_gains, 2, 1e-2, 1e-3)[0]) == 2
+    for bad in (
+        (rows, np.full(2, 3, dtype=np.int64), flags, flags, cost, gains, self_gains, 2),  # a draft past its gains
+        (rows, tokens, flags, flags, cost, gains, self_gains, 3),  # a budget past the self-draft gains
+        (rows, tokens, flags, flags, cost, gains[:1], self_gains, 2),  # fewer gains than rows
+        (rows, tokens, flags[:1], flags, cost, gains, self_gains, 2),  # rows of different lengths
+    ):
+        with pytest.raises(IndexError):
+            finish_lines(*bad, 1e-2, 1e-3)

@@ -41,11 +41,19 @@ def finish_lines(lead, lookup_tokens, may_self_draft, has_mask, cost, gains, sel
     row is ahead of the last ones (inf: a row without a limit beside rows with one); `gains`:
     rows x depth, each lookup token's chance to be accepted with every one before it;
     `self_gains[j - 1]`: a self-draft's j-th token's; `may_self_draft`: its budget and the
-    self-draft step's cost measured."""
+    self-draft step's cost measured. Every index is checked before anything is read: a compiled
+    kernel reads past an array's end without a word."""
     rows = len(lead)
     last = self_budget
     for i in range(rows):
         last = max(last, lookup_tokens[i])
+    if len(self_gains) < self_budget or gains.shape[0] < rows:
+        raise IndexError("fewer gains than rows, or than the self-draft budget")
+    if len(lookup_tokens) != rows or len(may_self_draft) != rows or len(has_mask) != rows or len(cost) != rows:
+        raise IndexError("per-row arrays of different lengths")
+    for i in range(rows):
+        if lookup_tokens[i] > gains.shape[1]:
+            raise IndexError("a lookup draft longer than its gains")
     saved, spent = np.zeros(last), np.zeros(last)
     self_length, self_rows, probes = np.zeros(last, np.int64), np.zeros(last, np.int64), np.zeros(last, np.int64)
     need, by_self = np.zeros(rows, np.int64), np.zeros(rows, np.bool_)
