@@ -7,10 +7,12 @@ The reference sums floats left to right (`in_order`), as the kernel does and as 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import numpy as np
+import pytest
 from test_controller import closed, lookup_rows, trained
 
 from vllm_selfspec.control import StepOffers
@@ -72,7 +74,7 @@ def test_the_compiled_draining_plan_is_the_reference_plan():
         count = rng.randint(1, 24)
         found = [rng.choice([0, 2, 4, 8]) for _ in range(count)]
         rows = [
-            dataclass_with(row, can_self_draft=rng.random() < 0.5, has_mask=rng.random() < 0.5)
+            dataclasses.replace(row, can_self_draft=rng.random() < 0.5, has_mask=rng.random() < 0.5)
             for row in lookup_rows(*found)
         ]
         last = rng.choice([30, 40])
@@ -98,16 +100,8 @@ def test_the_compiled_draining_plan_is_the_reference_plan():
     assert min(kinds.values()) > 30, kinds
 
 
-def dataclass_with(row, **changes):
-    import dataclasses
-
-    return dataclasses.replace(row, **changes)
-
-
 def test_the_kernel_refuses_arrays_it_would_read_past():
     """A compiled kernel reads past an array's end without a word: each shape is checked first."""
-    import pytest
-
     from vllm_selfspec.control.draining_plan import finish_lines
 
     rows, flags = np.zeros(2), np.ones(2, dtype=bool)
@@ -118,6 +112,7 @@ def test_the_kernel_refuses_arrays_it_would_read_past():
         (rows, tokens, flags, flags, cost, gains, self_gains, 3),  # a budget past the self-draft gains
         (rows, tokens, flags, flags, cost, gains[:1], self_gains, 2),  # fewer gains than rows
         (rows, tokens, flags[:1], flags, cost, gains, self_gains, 2),  # rows of different lengths
+        (rows, tokens[:1], flags, flags, cost, gains, self_gains, 2),  # ... the drafts' lengths too
     ):
         with pytest.raises(IndexError):
             finish_lines(*bad, 1e-2, 1e-3)

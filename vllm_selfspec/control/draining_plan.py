@@ -19,41 +19,29 @@ import numpy as np
 from vllm_selfspec.compiled import compiled
 
 
-class FinishLines:
-    """What `finish_lines` found for each line r = 1, 2, ... it could price (a line some row
-    can reach neither by lookup nor by self-drafting ends the list: no farther line is reachable
-    either)."""
-
-    def __init__(self, saved, spent, self_length, self_rows, probes):
-        self.saved = saved.tolist()  # seconds the batch's end comes nearer, and the drafts' verified worth
-        self.spent = spent.tolist()  # verification's and the lookup drafts' seconds (self-drafts' apart)
-        self.self_length = self_length.tolist()  # draft steps of the rows that self-draft
-        self.self_rows = self_rows.tolist()  # how many rows self-draft
-        self.probes = probes.tolist()  # of those, how many need their prompt probed first
-
-    def __len__(self) -> int:
-        return len(self.saved)
-
-
 @compiled
 def finish_lines(lead, lookup_tokens, may_self_draft, has_mask, cost, gains, self_gains, self_budget, t0, t_verify):
-    """Each finish line's price (`FinishLines`' fields, as arrays). `lead`: how many tokens each
+    """Each finish line's price, for each line r = 1, 2, ... it could price (a line some row can
+    reach neither by lookup nor by self-drafting ends them: no farther line is reachable either),
+    as arrays a line each: the seconds the batch's end comes nearer plus the drafts' verified
+    worth; verification's and the lookup drafts' seconds (the self-drafts' apart); the
+    self-drafting rows' draft steps; how many rows self-draft; and of those, how many need
+    their prompt probed first. `lead`: how many tokens each
     row is ahead of the last ones (inf: a row without a limit beside rows with one); `gains`:
     rows x depth, each lookup token's chance to be accepted with every one before it;
     `self_gains[j - 1]`: a self-draft's j-th token's; `may_self_draft`: its budget and the
     self-draft step's cost measured. Every index is checked before anything is read: a compiled
     kernel reads past an array's end without a word."""
     rows = len(lead)
-    last = self_budget
-    for i in range(rows):
-        last = max(last, lookup_tokens[i])
-    if len(self_gains) < self_budget or gains.shape[0] < rows:
-        raise IndexError("fewer gains than rows, or than the self-draft budget")
     if len(lookup_tokens) != rows or len(may_self_draft) != rows or len(has_mask) != rows or len(cost) != rows:
         raise IndexError("per-row arrays of different lengths")
+    if len(self_gains) < self_budget or gains.shape[0] < rows:
+        raise IndexError("fewer gains than rows, or than the self-draft budget")
+    last = self_budget
     for i in range(rows):
         if lookup_tokens[i] > gains.shape[1]:
             raise IndexError("a lookup draft longer than its gains")
+        last = max(last, lookup_tokens[i])
     saved, spent = np.zeros(last), np.zeros(last)
     self_length, self_rows, probes = np.zeros(last, np.int64), np.zeros(last, np.int64), np.zeros(last, np.int64)
     need, by_self = np.zeros(rows, np.int64), np.zeros(rows, np.bool_)

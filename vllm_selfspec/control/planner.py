@@ -22,7 +22,7 @@ import numpy as np
 
 from vllm_selfspec.control.acceptance import AcceptanceModel, StepGains
 from vllm_selfspec.control.backoff import FIRST_RETRY_AFTER, Backoff
-from vllm_selfspec.control.draining_plan import FinishLines, finish_lines
+from vllm_selfspec.control.draining_plan import finish_lines
 from vllm_selfspec.control.lookup_plan import NO_DUE, greedy_lookup_plan, steady_lookup_plan
 from vllm_selfspec.control.offers import RowOffer, StepOffers
 from vllm_selfspec.control.row_ledger import PlannedStep, RowLedger
@@ -694,22 +694,23 @@ def draining_choice(offers: StepOffers, gains, cost, step, self_budget, a_self: 
     lead = np.subtract(last, left, out=np.zeros(len(left)), where=left != last)
     may_self_draft = offers.can_self_draft & costs.self_step_measured
     self_gains = np.array([a_self**j for j in range(1, self_budget + 1)], dtype=np.float64)
-    lines = FinishLines(
-        *finish_lines(
+    saved, lookup_spent, self_length, self_rows, probes = (
+        line.tolist()
+        for line in finish_lines(
             lead, offers.lookup_tokens, may_self_draft, offers.has_mask, np.asarray(cost, dtype=np.float64),
             gains, self_gains, self_budget, step.t0, step.t_verify,
         )
     )  # fmt: skip
     best_net, best_line = 0.0, 0
-    for r in range(len(lines)):
-        spent = lines.spent[r] + lines.self_length[r] * costs.self_step_seconds(lines.self_rows[r])
-        if lines.probes[r]:  # (a few target steps each)
-            spent += lines.probes[r] * (costs.probe_seconds or 0.0)
-        if lines.saved[r] - spent > best_net:
-            best_net, best_line = lines.saved[r] - spent, r + 1
+    for r in range(len(saved)):
+        spent = lookup_spent[r] + self_length[r] * costs.self_step_seconds(self_rows[r])
+        if probes[r]:  # (a few target steps each)
+            spent += probes[r] * (costs.probe_seconds or 0.0)
+        if saved[r] - spent > best_net:
+            best_net, best_line = saved[r] - spent, r + 1
     if not best_line:
         return Choice([0] * len(offers))
     need = np.maximum(best_line - lead, 0).astype(np.int64)
     by_lookup = offers.lookup_tokens >= need
-    self_rows = set(np.flatnonzero(~by_lookup).tolist())
-    return Choice(np.where(by_lookup, need, 0).tolist(), lines.self_length[best_line - 1], self_rows)
+    chosen = set(np.flatnonzero(~by_lookup).tolist())
+    return Choice(np.where(by_lookup, need, 0).tolist(), self_length[best_line - 1], chosen)
