@@ -59,6 +59,19 @@ def test_recent_occurrences_scans_back_only_as_far_as_the_cap():
     assert _recent_occurrences(corpus, 10, 7, MAX_OCCURRENCES_SCANNED).tolist() == list(range(10))
 
 
+def test_recent_occurrences_are_every_occurrence_before_the_limit_newest_kept():
+    """The scan, block by block, against the rule it implements: the positions before `limit`
+    holding the token, the `cap` most recent of them. Rare and common tokens, limits inside
+    and across blocks, both of vLLM's token dtypes."""
+    rng = np.random.default_rng(0)
+    for case in range(400):
+        length = int(rng.integers(1, 2000))
+        corpus = rng.integers(0, int(rng.choice([2, 7, 50, 5000])), length).astype(rng.choice([np.int32, np.int64]))
+        limit, token, cap = int(rng.integers(1, length + 1)), int(rng.choice(corpus)), int(rng.integers(1, 300))
+        want = np.flatnonzero(corpus[:limit] == token)[-cap:]
+        assert _recent_occurrences(corpus, limit, token, cap).tolist() == want.tolist(), case
+
+
 def test_the_lookup_caps_stay_within_what_was_measured():
     """The caps are what keeps a hostile context's lookup a fraction of a millisecond per row;
     the draft tests above hold for any caps, so this is what fails if they are raised."""

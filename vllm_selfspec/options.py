@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 METHOD_NAME = "self-admg"
 PROPOSER_PATH = "vllm_selfspec.proposer.SelfAdmgProposer"
 ADDITIONAL_CONFIG_KEY = "self_admg"
@@ -236,6 +238,11 @@ class SelfAdmgOptions:
         """Of a row's draft budget, what a draft that does not copy may use."""
         cap = self.max_draft_unless_copying
         return min(budget, cap) if self.adaptive and cap else budget
+
+    def uncopied_budgets(self, budgets: np.ndarray) -> np.ndarray:
+        """`uncopied_budget` of each of many rows' budgets."""
+        cap = self.max_draft_unless_copying
+        return np.minimum(budgets, cap) if self.adaptive and cap else budgets
 
     def as_dict(self) -> dict[str, Any]:
         """The options as a user writes them (experimental ones under their key)."""

@@ -158,17 +158,38 @@ PLACE_MASK = (1 << PLACE_BITS) - 1
 assert MAX_OCCURRENCES_FOLLOWED <= 1 << PLACE_BITS
 
 
+# The scan back counts a block's occurrences first, in a loop the compiler vectorises (over a
+# slice: indexing by a position that might be negative would keep it from that), and reads
+# positions one by one only in the blocks that hold some. A rare last token, whose scan runs to
+# the start of a long context, then costs a fraction of a token-by-token scan.
+SCAN_BLOCK = 128
+
+
+@compiled
+def _count_in(corpus, start, end, token):
+    """How many of corpus[start:end] are `token`."""
+    block, count = corpus[start:end], 0
+    for i in range(block.shape[0]):
+        if block[i] == token:
+            count += 1
+    return count
+
+
 @compiled
 def _recent_occurrences(corpus, limit, token, cap):
     """Positions before `limit` holding `token`, the most recent `cap` of them, in corpus order."""
     found = np.empty(min(cap, limit), dtype=np.int64)
-    count = 0
-    for position in range(limit - 1, -1, -1):
-        if corpus[position] == token:
-            found[count] = position
-            count += 1
-            if count == cap:
-                break
+    count, end = 0, limit
+    while end > 0 and count < cap:
+        start = max(0, end - SCAN_BLOCK)
+        if _count_in(corpus, start, end, token):
+            for position in range(end - 1, start - 1, -1):
+                if corpus[position] == token:
+                    found[count] = position
+                    count += 1
+                    if count == cap:
+                        break
+        end = start
     return found[:count][::-1].copy()
 
 
@@ -461,11 +482,11 @@ class ContextDrafts(NamedTuple):
 
 def context_drafts(
     token_ids: np.ndarray,
-    rows: list[int],
-    lengths: list[int],
-    budgets: list[int],
+    rows: np.ndarray | list[int],
+    lengths: np.ndarray | list[int],
+    budgets: np.ndarray | list[int],
     *,
-    full_budgets: list[int] | None = None,
+    full_budgets: np.ndarray | list[int] | None = None,
     max_match: int = 24,
     min_prob: float = 0.1,
     into=None,
@@ -485,7 +506,7 @@ def context_drafts(
     than its own context's (`lookup_draft`), from `pool_source`."""
     full_budgets = budgets if full_budgets is None else full_budgets
     inputs = np.array([rows, lengths, budgets, full_budgets], dtype=np.int64).T.copy()
-    width = max(max(full_budgets, default=0), 1)
+    width = max(int(np.max(full_budgets, initial=0)), 1)
     returned = into is None
     if returned:  # (drafts of their own, a row each)
         n = len(rows)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from vllm_selfspec.control import DraftSource
 from vllm_selfspec.control.acceptance import SOURCE_INDEX
 from vllm_selfspec.operations import fail_safe
@@ -145,18 +147,19 @@ class RowLookup:
         alone), each kept in `drafts` where it matches more than the row's prediction. Should
         the call raise, each row is looked up alone, so that a fault is blamed on its row (or its
         tenant's history)."""
-        indices = rows.index[at].tolist()
         full = [budgets[i] for i in at]
         # (one row without a history is looked up alone: a call over a batch costs it more than
         # it saves; a history's lookup costs less in one call even for one row)
         if len(at) > 1 or pool is not None:
             try:
+                indices = rows.index[at]
+                full_budgets = np.array(full, dtype=np.int64)
                 context_drafts(
                     step.token_ids,
                     indices,
                     step.context_lengths(indices),
-                    [self.options.uncopied_budget(b) for b in full],
-                    full_budgets=full,
+                    self.options.uncopied_budgets(full_budgets),
+                    full_budgets=full_budgets,
                     max_match=self.options.lookup_max_match,
                     into=drafts,
                     at=at,

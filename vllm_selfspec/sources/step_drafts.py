@@ -78,7 +78,7 @@ class StepDrafts:
             sampled=rows.sampled,
             remaining=rows.tokens_left,
             has_mask=np.array([r in probed for r in req_ids], dtype=bool) if probed else np.zeros(len(rows), bool),
-            context=np.array(step.context_lengths(rows.index), dtype=np.int64),
+            context=np.asarray(step.context_lengths(rows.index), dtype=np.int64),
         )
 
     def taken(self, row: int, length: int) -> list[int]:

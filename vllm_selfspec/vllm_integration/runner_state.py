@@ -246,8 +246,9 @@ class StepView:
             context_read,
         )
 
-    def context_lengths(self, rows: list[int]) -> list[int]:
-        return self.batch.num_tokens_no_spec[rows].tolist()
+    def context_lengths(self, rows) -> np.ndarray:
+        """Each row's context length (int64): its tokens up to its last sampled one."""
+        return self.batch.num_tokens_no_spec[rows].astype(np.int64)
 
     def samples(self, req_id: str) -> bool:
         slot = self.facts.slot_of.get(req_id)
