@@ -7,6 +7,7 @@ import numpy as np
 from vllm_selfspec.sources.lookup import (
     MAX_OCCURRENCES_FOLLOWED,
     MAX_OCCURRENCES_SCANNED,
+    SCAN_BLOCK,
     _recent_occurrences,
     suffix_draft,
 )
@@ -70,6 +71,17 @@ def test_recent_occurrences_are_every_occurrence_before_the_limit_newest_kept():
         limit, token, cap = int(rng.integers(1, length + 1)), int(rng.choice(corpus)), int(rng.integers(1, 300))
         want = np.flatnonzero(corpus[:limit] == token)[-cap:]
         assert _recent_occurrences(corpus, limit, token, cap).tolist() == want.tolist(), case
+    # The token alone at the blocks' edges, every limit and cap about them, and limits past the end.
+    edges = [0, 1, SCAN_BLOCK - 1, SCAN_BLOCK, 2 * SCAN_BLOCK - 1, 2 * SCAN_BLOCK]
+    for dtype in (np.int32, np.int64):
+        corpus = np.zeros(2 * SCAN_BLOCK + 2, dtype=dtype)
+        corpus[edges] = 9
+        for limit in range(0, len(corpus) + 3):  # (past the end: read as the end)
+            for cap in range(0, len(edges) + 1):
+                found = np.flatnonzero(corpus[:limit] == 9)
+                want = found[len(found) - min(cap, len(found)) :]
+                got = _recent_occurrences(corpus, limit, dtype(9), cap)
+                assert got.tolist() == want.tolist(), (dtype, limit, cap)
 
 
 def test_the_lookup_caps_stay_within_what_was_measured():

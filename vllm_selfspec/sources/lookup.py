@@ -160,8 +160,9 @@ assert MAX_OCCURRENCES_FOLLOWED <= 1 << PLACE_BITS
 
 # The scan back counts a block's occurrences first, in a loop the compiler vectorises (over a
 # slice: indexing by a position that might be negative would keep it from that), and reads
-# positions one by one only in the blocks that hold some. A rare last token, whose scan runs to
-# the start of a long context, then costs a fraction of a token-by-token scan.
+# positions one by one only in the blocks that hold some, until it has read as many as it
+# counted. A rare last token, whose scan runs to the start of a long context, then costs a
+# fraction of a token-by-token scan.
 SCAN_BLOCK = 128
 
 
@@ -178,17 +179,18 @@ def _count_in(corpus, start, end, token):
 @compiled
 def _recent_occurrences(corpus, limit, token, cap):
     """Positions before `limit` holding `token`, the most recent `cap` of them, in corpus order."""
-    found = np.empty(min(cap, limit), dtype=np.int64)
+    limit = min(limit, len(corpus))  # (compiled code reads past an array's end unchecked)
+    found = np.empty(max(0, min(cap, limit)), dtype=np.int64)
     count, end = 0, limit
     while end > 0 and count < cap:
         start = max(0, end - SCAN_BLOCK)
-        if _count_in(corpus, start, end, token):
-            for position in range(end - 1, start - 1, -1):
-                if corpus[position] == token:
-                    found[count] = position
-                    count += 1
-                    if count == cap:
-                        break
+        hits, position = _count_in(corpus, start, end, token), end - 1
+        while hits and count < cap:
+            if corpus[position] == token:
+                found[count] = position
+                count += 1
+                hits -= 1
+            position -= 1
         end = start
     return found[:count][::-1].copy()
 

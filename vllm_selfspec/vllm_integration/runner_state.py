@@ -246,7 +246,7 @@ class StepView:
             context_read,
         )
 
-    def context_lengths(self, rows) -> np.ndarray:
+    def context_lengths(self, rows: np.ndarray | list[int]) -> np.ndarray:
         """Each row's context length (int64): its tokens up to its last sampled one."""
         return self.batch.num_tokens_no_spec[rows].astype(np.int64)
 
