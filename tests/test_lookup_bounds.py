@@ -74,7 +74,10 @@ def test_recent_occurrences_are_every_occurrence_before_the_limit_newest_kept():
     # The token alone at the blocks' edges, every limit and cap about them, and limits past the end.
     edges = [0, 1, SCAN_BLOCK - 1, SCAN_BLOCK, 2 * SCAN_BLOCK - 1, 2 * SCAN_BLOCK]
     for dtype in (np.int32, np.int64):
-        corpus = np.zeros(2 * SCAN_BLOCK + 2, dtype=dtype)
+        # (a view of a longer array that holds the token past the view's end, where a scan that
+        # read past it would find it)
+        corpus = np.full(3 * SCAN_BLOCK, 9, dtype=dtype)[: 2 * SCAN_BLOCK + 2]
+        corpus[:] = 0
         corpus[edges] = 9
         for limit in range(0, len(corpus) + 3):  # (past the end: read as the end)
             for cap in range(0, len(edges) + 1):
