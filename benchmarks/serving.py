@@ -85,6 +85,8 @@ PROPOSER_COUNTERS = (
     "draft_steps",
     "draft_tokens",
     "draft_seconds",
+    "rows_looked_up",  # (none while the lookup gate is closed)
+    "tokens_offered",  # lookup and prediction draft tokens offered to the plan, before it chose
     "lookup_tokens",  # (predictions' included)
     "lookup_accepted",  # (predictions' not: prediction_accepted)
     "prediction_tokens",

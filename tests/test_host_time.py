@@ -72,3 +72,30 @@ def test_writing_the_caches_between_steps_changes_no_plan():
         runs.append(plans)
     assert runs[0] == runs[1] and any(p["drafts"] != [[], []] for p in runs[0])
     assert (evicting == 30).all()  # (written once a step, every byte)
+
+
+def test_the_counters_say_what_the_plan_was_offered(monkeypatch):
+    """Rows looked up and draft tokens offered, summed over the steps: what tells a plan that
+    declined drafts from one offered none (the lookup gate closed)."""
+    from vllm_selfspec.draft_pipeline import DraftPipeline
+    from vllm_selfspec.sources.row_lookup import RowLookup
+
+    pipelines, per_step = [], []
+    original_init, original_find = DraftPipeline.__init__, RowLookup.find
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        pipelines.append(self)
+
+    def find(self, *args, **kwargs):
+        found = original_find(self, *args, **kwargs)
+        per_step.append((self.rows_looked_up, int(found.lengths.sum())))
+        return found
+
+    monkeypatch.setattr(DraftPipeline, "__init__", init)
+    monkeypatch.setattr(RowLookup, "find", find)
+    runner = recorded_runner(copying_answers(4), batch=2, seed=0)
+    measured = run_ours(runner, k=8, steps=40, warm_up=0, options={}, history=None, lookup_seconds_per_row=5e-6)
+    (counters,) = [p.counters for p in pipelines]
+    assert counters.rows_looked_up == sum(rows for rows, _ in per_step) > len(per_step)  # (rows, not steps)
+    assert counters.tokens_offered == sum(tokens for _, tokens in per_step) >= measured.draft_tokens > 0

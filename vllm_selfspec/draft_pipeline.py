@@ -122,6 +122,8 @@ class DraftPipeline:
         found = self.lookup.find(step, rows, budgets, self.look_up)
         if self.lookup.rows_looked_up:
             self.controller.observe_lookup(self.lookup.rows_looked_up, self.lookup.seconds)
+        self.counters.rows_looked_up += self.lookup.rows_looked_up
+        self.counters.tokens_offered += int(found.lengths.sum())
         clock.lap("look_up")
         offers = found.offers(step, rows, budgets, probed=probed)
         # (once a step: the plan prices the drafts by them, and learning weighs what was accepted)

@@ -41,6 +41,11 @@ class ProposerCounters:
     # state), learn, look_up, plan, agree (the ranks' all-reduce) and draft (lookup drafts
     # handed over, self-drafts): where a step's time goes.
     part_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROPOSER_PARTS, 0.0))
+    # What the plan was offered, before it chose: the rows whose contexts were looked up (none
+    # while the lookup gate is closed) and the draft tokens lookup and predictions offered. Beside
+    # the tokens drafted they tell a plan that declined drafts from one that was offered none.
+    rows_looked_up: int = 0
+    tokens_offered: int = 0
     lookup_tokens: int = 0  # from lookup, own context or history
     history_tokens: int = 0  # of which from earlier requests' outputs
     context_tokens: int = 0  # and from the request's own context
