@@ -234,15 +234,18 @@ class SelfAdmgOptions:
     def skips_mlp(self) -> bool:
         return self.skip == "attention+mlp"
 
+    @property
+    def uncopied_cap(self) -> int:
+        """The most tokens a draft that does not copy may use (0: no cap)."""
+        return self.max_draft_unless_copying if self.adaptive else 0
+
     def uncopied_budget(self, budget: int) -> int:
         """Of a row's draft budget, what a draft that does not copy may use."""
-        cap = self.max_draft_unless_copying
-        return min(budget, cap) if self.adaptive and cap else budget
+        return min(budget, self.uncopied_cap) if self.uncopied_cap else budget
 
     def uncopied_budgets(self, budgets: np.ndarray) -> np.ndarray:
         """`uncopied_budget` of each of many rows' budgets."""
-        cap = self.max_draft_unless_copying
-        return np.minimum(budgets, cap) if self.adaptive and cap else budgets
+        return np.minimum(budgets, self.uncopied_cap) if self.uncopied_cap else budgets
 
     def as_dict(self) -> dict[str, Any]:
         """The options as a user writes them (experimental ones under their key)."""
