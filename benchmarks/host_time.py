@@ -241,6 +241,7 @@ class Measured:
     parts: dict[str, list[float]] = field(default_factory=lambda: {part: [] for part in PROPOSER_PARTS})
     draft_tokens: int = 0
     requests_ended: int = 0  # and replaced by waiting ones (the recorded workload)
+    tokens_offered: int = 0  # lookup and prediction draft tokens offered to the plan
 
 
 def run_ours(
@@ -255,6 +256,7 @@ def run_ours(
     plans: list | None = None,
     lookup_seconds_per_row: float | None = None,
     closed_batches: bool = False,
+    step_costs: dict = GPU_8B,
 ) -> Measured:
     """The pipeline as the proposer drives it each step (`DraftPipeline.propose`), minus
     self-drafting (which needs the model). `finishing`: outputs of other requests, one ending
@@ -262,9 +264,10 @@ def run_ours(
     it when vLLM drops the request). `plans`: each step's plan and drafts are appended
     to it; `lookup_seconds_per_row`: what the lookup gate is told lookups cost, instead of
     their time (so that plans replay exactly, tests/test_replayed_plans.py); `closed_batches`:
-    an offline engine's (`SchedulerNote.closed_batches`)."""
+    an offline engine's (`SchedulerNote.closed_batches`); `step_costs`: the costs pinned
+    (`pin_step_costs`' arguments)."""
     pipeline = DraftPipeline(make_options(options), k, FailSafe())
-    pin_step_costs(pipeline.controller.costs, **GPU_8B)
+    pin_step_costs(pipeline.controller.costs, **step_costs)
     if lookup_seconds_per_row is not None:
         gate = pipeline.controller.lookup_gate
         pipeline.controller.observe_lookup = lambda rows, _: gate.observe_lookup(rows, rows * lookup_seconds_per_row)
@@ -282,6 +285,8 @@ def run_ours(
         return drafts
 
     for step_index in range(warm_up + steps):
+        if step_index == warm_up:
+            offered_in_warm_up = pipeline.counters.tokens_offered
         output, sampled = runner.step(drafts)
         parts: dict[str, float] = {}
         start = time.perf_counter()
@@ -299,6 +304,7 @@ def run_ours(
         drafts = pipeline.propose(step, clock, probed=(), warmed_up=True, draft=lookup_drafts)
         if step_index >= warm_up:
             measured.seconds.append(time.perf_counter() - start)
+            measured.tokens_offered = pipeline.counters.tokens_offered - offered_in_warm_up
             measured.draft_tokens += sum(map(len, drafts))
             measured.requests_ended += len(runner.ended)
             for part, seconds in measured.parts.items():

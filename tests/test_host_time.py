@@ -99,3 +99,26 @@ def test_the_counters_say_what_the_plan_was_offered(monkeypatch):
     (counters,) = [p.counters for p in pipelines]
     assert counters.rows_looked_up == sum(rows for rows, _ in per_step) > len(per_step)  # (rows, not steps)
     assert counters.tokens_offered == sum(tokens for _, tokens in per_step) >= measured.draft_tokens > 0
+
+
+def test_at_capacity_the_per_row_rule_keeps_every_request_within_its_slack():
+    """Replayed at capacity with step costs pinned, so that a step that verifies drafts is
+    longer for every row in it: half the requests copy their prompts (lookup drafts them whole),
+    half write new text (nothing to look up). By default no request that ran whole falls below
+    98% of plain decoding's rate (the per-row rule, `planner.ROW_SLACK`), though the batch gains
+    less; the throughput objective drafts more and leaves the new-text requests below it."""
+    from benchmarks.diagnostics import row_rule
+    from vllm_selfspec.control.planner import ROW_SLACK
+
+    rng = np.random.default_rng(0)
+    answers = []
+    for i in range(24):
+        prompt = rng.integers(100, 30_000, 200)
+        answers.append(Answer(prompt, prompt[50:98].copy() if i % 2 else rng.integers(100, 30_000, 48)))
+    run = {"batch": 8, "steps": 400, "costs": row_rule.CPU_1_5B, "seed": 0}
+    default = row_rule.replay(answers, options={}, **run)
+    throughput = row_rule.replay(answers, options={"objective": "throughput"}, **run)
+    assert default["requests"] >= 40 and default["accepted"] > 0
+    assert default["slowest_x"] >= 1 - ROW_SLACK
+    assert throughput["slowest_x"] < 1 - ROW_SLACK < 1.2 < throughput["batch_x"]
+    assert throughput["batch_x"] > default["batch_x"] > 1

@@ -10,6 +10,7 @@ in step with this folder; diagnostics no doc cites any more are in git history):
 - `lookup_replay`: self-admg's lookup drafts against vLLM's `suffix` on served requests.
 - `prefill_steps`: each server's prefill steps against plain's, from the step logs.
 - `request_losses`: where a request slower than under plain loses: prefill steps or the others.
+- `row_rule`: at capacity, the per-row rule's cost to the batch and what it saves each request.
 - `selection_quality`: draft/target agreement for ADMG's, a static and a random selection.
 - `step_costs`: what a verification step costs by what it carries (the cost model's check).
 - `step_fit`: whether the controller's step-cost fit holds on a server's timed steps.
