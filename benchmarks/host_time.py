@@ -256,7 +256,7 @@ def run_ours(
     plans: list | None = None,
     lookup_seconds_per_row: float | None = None,
     closed_batches: bool = False,
-    step_costs: dict = GPU_8B,
+    step_costs: dict | None = None,
 ) -> Measured:
     """The pipeline as the proposer drives it each step (`DraftPipeline.propose`), minus
     self-drafting (which needs the model). `finishing`: outputs of other requests, one ending
@@ -265,9 +265,9 @@ def run_ours(
     to it; `lookup_seconds_per_row`: what the lookup gate is told lookups cost, instead of
     their time (so that plans replay exactly, tests/test_replayed_plans.py); `closed_batches`:
     an offline engine's (`SchedulerNote.closed_batches`); `step_costs`: the costs pinned
-    (`pin_step_costs`' arguments)."""
+    (`pin_step_costs`' arguments; default GPU_8B)."""
     pipeline = DraftPipeline(make_options(options), k, FailSafe())
-    pin_step_costs(pipeline.controller.costs, **step_costs)
+    pin_step_costs(pipeline.controller.costs, **(step_costs or GPU_8B))
     if lookup_seconds_per_row is not None:
         gate = pipeline.controller.lookup_gate
         pipeline.controller.observe_lookup = lambda rows, _: gate.observe_lookup(rows, rows * lookup_seconds_per_row)
@@ -284,6 +284,7 @@ def run_ours(
         pipeline.lessons.step_ended(drafted=True)
         return drafts
 
+    offered_in_warm_up = 0
     for step_index in range(warm_up + steps):
         if step_index == warm_up:
             offered_in_warm_up = pipeline.counters.tokens_offered

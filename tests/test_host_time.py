@@ -104,11 +104,10 @@ def test_the_counters_say_what_the_plan_was_offered(monkeypatch):
 def test_at_capacity_the_per_row_rule_keeps_every_request_within_its_slack():
     """Replayed at capacity with step costs pinned, so that a step that verifies drafts is
     longer for every row in it: half the requests copy their prompts (lookup drafts them whole),
-    half write new text (nothing to look up). By default no request that ran whole falls below
-    98% of plain decoding's rate (the per-row rule, `planner.ROW_SLACK`), though the batch gains
-    less; the throughput objective drafts more and leaves the new-text requests below it."""
+    half write new text (nothing to look up). By default no request falls below 98% of plain
+    decoding's rate over its decoding so far (the per-row rule's promise), though the batch
+    gains less; the throughput objective drafts more and leaves the new-text requests below it."""
     from benchmarks.diagnostics import row_rule
-    from vllm_selfspec.control.planner import ROW_SLACK
 
     rng = np.random.default_rng(0)
     answers = []
@@ -119,6 +118,6 @@ def test_at_capacity_the_per_row_rule_keeps_every_request_within_its_slack():
     default = row_rule.replay(answers, options={}, **run)
     throughput = row_rule.replay(answers, options={"objective": "throughput"}, **run)
     assert default["requests"] >= 40 and default["accepted"] > 0
-    assert default["slowest_x"] >= 1 - ROW_SLACK
-    assert throughput["slowest_x"] < 1 - ROW_SLACK < 1.2 < throughput["batch_x"]
+    assert default["slowest_x"] >= 0.98
+    assert throughput["slowest_x"] < 0.98 and throughput["batch_x"] > 1.2
     assert throughput["batch_x"] > default["batch_x"] > 1
