@@ -305,13 +305,13 @@ def run_ours(
         drafts = pipeline.propose(step, clock, probed=(), warmed_up=True, draft=lookup_drafts)
         if step_index >= warm_up:
             measured.seconds.append(time.perf_counter() - start)
-            measured.tokens_offered = pipeline.counters.tokens_offered - offered_in_warm_up
             measured.draft_tokens += sum(map(len, drafts))
             measured.requests_ended += len(runner.ended)
             for part, seconds in measured.parts.items():
                 seconds.append(parts.get(part, 0.0))
         if plans is not None:
             plans.append({"plan": [int(x) for x in made[0].plan_ints] if made else None, "drafts": drafts})
+    measured.tokens_offered = pipeline.counters.tokens_offered - offered_in_warm_up
     return measured
 
 
