@@ -84,13 +84,12 @@ FEW_ROWS = 48
 def settled_by_rows(ahead: dict, step: PlannedStep, accepted: dict, due: float, bounds: tuple) -> dict[str, float]:
     """Each row of `step` still in the batch (in `accepted`), credited what plain decoding would
     have spent on its tokens and charged the planned step, within `bounds`: the new ledger."""
-    low, high = bounds
-    settled = {
-        req_id: ahead.get(req_id, 0.0) + (1 + accepted[req_id]) * due - step.planned_seconds
+    (low, high), planned, before = bounds, step.planned_seconds, ahead.get
+    return {
+        req_id: min(max(before(req_id, 0.0) + (1 + accepted[req_id]) * due - planned, low), high)
         for req_id in step.req_ids
         if req_id in accepted
     }
-    return {req_id: min(max(seconds, low), high) for req_id, seconds in settled.items()}
 
 
 def settled_by_arrays(ahead: dict, step: PlannedStep, accepted: dict, due: float, bounds: tuple) -> dict[str, float]:
