@@ -234,9 +234,8 @@ class DraftPlanner:
             # (a retry credits no row: its acceptance is what it measures)
             protected = self.protect_rows and len(offers) > 1 and not draining
             room = lambda: self.ledger.room(offers.req_ids, plain_seconds, choice.seconds)  # noqa: E731
-            cost = laid.cost.tolist()
             explored = self.retries.due() and make_retry(
-                self.costs, offers, self_rows, choice, self_budget, cost, step, room=room if protected else None
+                self.costs, offers, self_rows, choice, self_budget, laid.cost, step, room=room if protected else None
             )
             if explored:
                 self.retries.retried()
@@ -495,12 +494,14 @@ def make_retry(
 ):
     """Turn `choice` into a one-step self-draft retry (one is due) if it could pay; whether it
     did: with the rows that have a mask, or else one new row (one probe); if it costs no more
-    than every row allows (`room()`: what the per-row rule leaves; None: no rule)."""
+    than every row allows (`room()`: what the per-row rule leaves; None: no rule). `cost`: each
+    row's seconds a verified token. Whether it could pay is asked first: once a retry is due it
+    is asked every step until one is made, and where self-drafting does not pay it never is."""
     retry_rows = {i for i in self_rows if offers.has_mask[i]} or {self_rows[0]}
+    if not retry_pays(costs, offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
+        return False
     seconds = retry_step_seconds(costs, offers, cost, step, retry_rows)
     if room is not None and seconds > room():
-        return False
-    if not retry_pays(costs, offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
         return False
     choice.self_length, choice.self_rows = 1, retry_rows
     choice.seconds += seconds
@@ -512,7 +513,7 @@ def retry_step_seconds(costs: StepCostModel, offers: StepOffers, cost, step, row
     """What a one-token self-draft retry over `rows` adds to a step: the draft step, its probe
     if the rows have no mask yet, and their verification."""
     draft_step = costs.self_step_seconds(len(rows))
-    return draft_step + probe_seconds(costs, offers, rows) + in_order(cost[i] for i in rows) + step.t_verify
+    return draft_step + probe_seconds(costs, offers, rows) + in_order(float(cost[i]) for i in rows) + step.t_verify
 
 
 def probe_seconds(costs: StepCostModel, offers: StepOffers, rows) -> float:
