@@ -296,15 +296,19 @@ def test_the_step_fit_replay_predicts_linear_steps_and_reports_each_kind(tmp_pat
 
     rng = np.random.default_rng(0)
     steps = []
-    for _ in range(200):  # 40 ms + 2 ms a logit row + 5 ms to verify, +-2%; a prefill now and then
+    for _ in range(200):  # 40 ms + 2 ms a logit row + 5 ms to verify + 1 ms a thousand context tokens read, +-2%
         rows, drafts = int(rng.integers(1, 17)), int(rng.choice([0, 0, 8, 30]))
         prompt = int(rng.choice([0] * 9 + [300]))
-        seconds = (0.040 + 0.002 * (rows + drafts) + 0.005 * (drafts > 0) + 0.001 * prompt) * rng.uniform(0.98, 1.02)
-        steps.append([prompt, rows + drafts, 0, drafts, seconds])
+        context_read = (rows + drafts) * int(rng.integers(100, 3000))
+        seconds = 0.040 + 0.002 * (rows + drafts) + 0.005 * (drafts > 0) + 0.001 * prompt + 1e-6 * context_read
+        steps.append([prompt, rows + drafts, 0, drafts, seconds * rng.uniform(0.98, 1.02), context_read])
     rows, model = step_fit.replay(steps)
     late = rows[100:]
     assert np.all(np.abs(late[:, 5] / late[:, 4] - 1) < 0.15)
     assert model.target().t_row == pytest.approx(0.002, rel=0.2)
+    assert model.target().t_context == pytest.approx(0.001, rel=0.2)  # (the context read, priced)
+    # A log of five fields a step (before the context read was logged) replays with none read.
+    assert np.array_equal(step_fit.replay([s[:5] for s in steps])[0][:, :5], rows[:, :5])
     path = tmp_path / "steps.json"
     path.write_text(json.dumps(steps))
     step_fit.main([str(path)])

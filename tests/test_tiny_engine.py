@@ -239,7 +239,7 @@ def test_a_wait_for_requests_is_not_charged_to_the_next_step(admg_mixed, tiny_pr
     time.sleep(wait)
     generate(admg_mixed, tiny_prompt_ids[1:2])
     report = proposer_report(admg_mixed)
-    seconds = [step[-1] for step in report["steps"]]
+    seconds = [step[4] for step in report["steps"]]  # (prompt, logit rows, sampled, drafts, seconds, context)
     assert seconds and max(seconds) < wait / 2, max(seconds)  # a tiny model's step takes milliseconds
     # The serving benchmark cuts a run's steps by this count: one per step kept.
     assert 0 < report["steps_timed"] - timed_before <= len(seconds) <= report["steps_timed"]

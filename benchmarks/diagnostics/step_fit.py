@@ -3,7 +3,8 @@
 """Does the controller's step-cost fit hold under open-loop load? Replays a server's timed steps.
 
 `benchmarks.serving` saves, for each self-admg run, the steps as the server's controller timed
-them (raw/*-steps.json: prompt tokens, logit rows, sampled rows, draft tokens, seconds). This
+them (raw/*-steps.json: prompt tokens, logit rows, sampled rows, draft tokens, seconds, context
+tokens read). This
 feeds them, in order, to a fresh StepCostModel, the one the controller uses, and prints what it
 predicted for each step before seeing it against what the step took, by kind of step, then the
 fit it ended with, and what the drafts verified in steps that carry prompt tokens cost those
@@ -34,17 +35,21 @@ KINDS = (
 
 def replay(steps: list[list[float]]) -> tuple[np.ndarray, StepCostModel]:
     """Rows (prompt tokens, logit rows, sampled rows, draft tokens, seconds, predicted seconds;
-    NaN before the fit is ready) and the model after the last step."""
+    NaN before the fit is ready) and the model after the last step. A step's sixth field, the
+    context tokens its logit rows read, is priced as the server prices it (0 in older logs)."""
     model, rows = StepCostModel(), []
-    for prompt, logit_rows, sampled, drafts, seconds in steps:
+    for prompt, logit_rows, sampled, drafts, seconds, *context in steps:
+        context_read = float(context[0]) if context else 0.0
         predicted = np.nan
         if model.ready:
             c = model.target()
+            new_shape = (int(logit_rows), int(sampled), int(drafts)) not in model._shapes_seen
             predicted = (
                 c.t0 + c.t_prompt * prompt + c.t_row * logit_rows + c.t_sampled * sampled + c.t_verify * (drafts > 0)
-            )
+                + c.t_new * new_shape + c.t_context * context_read / 1000
+            )  # fmt: skip
         rows.append((prompt, logit_rows, sampled, drafts, seconds, predicted))
-        model.observe_step(int(prompt), int(logit_rows), int(sampled), seconds, int(drafts))
+        model.observe_step(int(prompt), int(logit_rows), int(sampled), seconds, int(drafts), context_read)
     return np.array(rows, dtype=float).reshape(-1, 6), model
 
 

@@ -53,7 +53,7 @@ class StepLessons:
                 shape.context_read,
             )
             self.counters.steps.append(
-                (shape.prompt_tokens, shape.logit_rows, shape.sampled_rows, shape.draft_tokens, seconds)
+                (*shape[:4], seconds, shape.context_read)  # (prompt tokens, logit rows, sampled rows, drafts)
             )
             self.counters.steps_timed += 1
         self.step_end = None

@@ -64,7 +64,7 @@ class ProposerCounters:
     # MLP similarity, mask). Bounded, so a long-running server does not grow it.
     measurements: deque = field(default_factory=lambda: deque(maxlen=4096))
     # The last steps as the controller saw them: (prompt tokens, logit rows, sampled logit
-    # rows, draft tokens, seconds), to check its cost model against.
+    # rows, draft tokens, seconds, context tokens the logit rows read), to check its cost model against.
     steps: deque = field(default_factory=lambda: deque(maxlen=4096))
     steps_timed: int = 0  # every step ever appended to `steps`: a run's own are the last (after - before)
 
