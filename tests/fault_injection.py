@@ -23,7 +23,10 @@ from pathlib import Path
 INJECT_ENV = "VLLM_SELFSPEC_INJECT_FAULT"
 UNPATCHED_SAMPLER_ENV = "VLLM_SELFSPEC_UNPATCHED_CPU_SAMPLER"
 # The proposer's stages, then the hooks the plugin adds to vLLM's loop (runner and scheduler).
-STAGES = ("lookup", "plan", "probe", "draft", "update_states", "request_removed", "sample", "tenants", "schedule")
+STAGES = (
+    "lookup", "plan", "probe", "draft", "update_states", "request_removed", "sample", "draft_handoff", "tenants",
+    "schedule",
+)  # fmt: skip
 PLUGIN_NAME = "vllm_selfspec_tests"
 
 logger = logging.getLogger("vllm.selfspec")

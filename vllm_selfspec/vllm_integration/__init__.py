@@ -12,7 +12,10 @@ Patches (each applied once through `patching.patch`, which records it):
 - sampling_params: min_p and logit_bias are served (rows using them get no drafts).
 - predicted_outputs: OpenAI's `prediction` taken, tokenized and reported in usage.
 - runner_hook: the model runner hands our proposer what it needs, drops a request's state with
-  its own, and samples a step with no draft as plain decoding does.
+  its own, samples a step with no draft as plain decoding does, and returns a step's drafts
+  with its sampled tokens.
+- draft_handoff: the executors take a step's drafts from its sampled output, rather than by
+  one more call to the workers on every step.
 - cpu_fixes: three bugs of vLLM 0.32's CPU build that speculative decoding runs into.
 Readers of vLLM's state (no patches):
 - runner_state: what the proposer reads of the runner, scheduler output and requests in a step.
@@ -34,6 +37,7 @@ def apply_patches() -> bool:
     patch was applied."""
     from vllm_selfspec.vllm_integration import (
         cpu_fixes,
+        draft_handoff,
         front_door,
         patching,
         predicted_outputs,
@@ -64,5 +68,6 @@ def apply_patches() -> bool:
     sampling_params.apply()
     predicted_outputs.apply()
     cpu_fixes.apply()
+    draft_handoff.apply()
     patching.mark_complete()
     return True

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""The model runner's four hand-offs to the self-admg proposer (vLLM 0.32's `GPUModelRunner`,
+"""The model runner's five hand-offs to the self-admg proposer (vLLM 0.32's `GPUModelRunner`,
 which `CPUModelRunner` inherits, so one patch covers both builds). Runners whose drafter is not
 a `SelfAdmgProposer` pass through unchanged.
 
@@ -13,7 +13,9 @@ a `SelfAdmgProposer` pass through unchanged.
    counts the step, so that it knows when vLLM ran one without asking it for drafts.
 3. `_on_request_state_removed`: a request's per-request state (mask, rates) is dropped in the
    same step as vLLM's own (finished, aborted or disconnected).
-4. `_sample`: a step that verifies no draft at all (every row got none: the controller's usual
+4. The worker's `sample_tokens`: the step's drafts ride on the output it returns, so that the
+   engine core need not ask the workers for them in a call of its own (`draft_handoff`).
+5. `_sample`: a step that verifies no draft at all (every row got none: the controller's usual
    answer at large batch) is sampled by the plain sampler. vLLM 0.32 sends every step of a
    speculative engine through `RejectionSampler` (`_prepare_inputs` builds spec-decode metadata
    even with zero drafts), whose recovered-token sampling over the vocabulary makes such a step
@@ -21,7 +23,7 @@ a `SelfAdmgProposer` pass through unchanged.
    zero drafts it only samples one token per row from the target's distribution, which is what
    the plain sampler does (same logits, same per-request generators), so outputs are unchanged.
 
-5. The worker's `sleep` empties the lookup history first: earlier outputs do not outlive the
+6. The worker's `sleep` empties the lookup history first: earlier outputs do not outlive the
    KV cache that vLLM discards.
 
 Each hand-off that is ours is guarded: an exception in it is counted as a drafting fault and
@@ -33,6 +35,7 @@ Installed from the proposer's constructor, so only worker processes import the r
 
 from vllm_selfspec.operations.fail_safe import fault_point
 from vllm_selfspec.scheduler_note import note_of
+from vllm_selfspec.vllm_integration import draft_handoff
 from vllm_selfspec.vllm_integration.patching import original, patch
 
 
@@ -133,6 +136,21 @@ def install() -> None:
     )
     patch(Runner, "_sample", _sample, "sample a step with no draft as plain decoding does")
     _install_sleep()
+    _install_draft_handoff()
+
+
+def _install_draft_handoff() -> None:
+    # (on the worker, not the runner, whose `sample_tokens` the CPU build's fixes wrap already)
+    from vllm.v1.worker.gpu_worker import Worker
+
+    def sample_tokens(self, *args, **kwargs):
+        output = original(Worker, "sample_tokens")(self, *args, **kwargs)
+        runner = getattr(self, "model_runner", None)
+        if _ours(runner):
+            _guarded(runner, lambda: draft_handoff.attach(output, runner.take_draft_token_ids))
+        return output
+
+    patch(Worker, "sample_tokens", sample_tokens, "send a step's drafts with its sampled tokens")
 
 
 def _install_sleep() -> None:
