@@ -124,6 +124,13 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
             "num_speculative_tokens": K,
             "experimental": {"max_draft_unless_copying": 4},
         },
+        # A diagnostic: the engine core asks the workers for each step's drafts, as vLLM 0.32
+        # does, rather than taking them with the sampled tokens (`draft_handoff`).
+        "self-admg-asked": {
+            "method": "self-admg",
+            "num_speculative_tokens": K,
+            "experimental": {"drafts_with_output": False},
+        },
         # A diagnostic: the batch's throughput as the objective, no per-row rule (`objective`).
         "self-admg-throughput": {"method": "self-admg", "num_speculative_tokens": K, "objective": "throughput"},
     }
@@ -133,7 +140,7 @@ def method_configs(draft_path: str | None) -> dict[str, dict | None]:
 
 
 # Run when named, not by default: the opt-in, measured against the default in its own runs.
-BY_NAME_ONLY = ("self-admg-shared-history", "self-admg-capped", "self-admg-throughput")
+BY_NAME_ONLY = ("self-admg-shared-history", "self-admg-capped", "self-admg-throughput", "self-admg-asked")
 
 
 def choose_methods(known: dict[str, dict | None], baseline: str, names: list[str] | None) -> dict[str, dict | None]:

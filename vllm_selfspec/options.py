@@ -230,6 +230,14 @@ class SelfAdmgOptions:
         experimental=True,
     )
 
+    # A way back to vLLM's own path should the hand-off ever misbehave, and what measures it.
+    drafts_with_output: bool = option(
+        True,
+        "send a step's drafts to the engine core with its sampled tokens (false = the engine core "
+        "asks the workers for them in a call of its own after each step, as vLLM 0.32 does)",
+        experimental=True,
+    )
+
     @property
     def skips_mlp(self) -> bool:
         return self.skip == "attention+mlp"

@@ -146,7 +146,7 @@ def _install_draft_handoff() -> None:
     def sample_tokens(self, *args, **kwargs):
         output = original(Worker, "sample_tokens")(self, *args, **kwargs)
         runner = getattr(self, "model_runner", None)
-        if _ours(runner):
+        if _ours(runner) and runner.drafter.options.drafts_with_output:
             _guarded(runner, lambda: draft_handoff.attach(output, runner.take_draft_token_ids))
         return output
 
