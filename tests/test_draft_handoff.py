@@ -3,9 +3,8 @@
 """A step's drafts reach the engine core with its sampled tokens (vllm_integration/
 draft_handoff.py): vLLM's executors, whose calls to the workers are answered here, hand over the
 drafts a step's output carried without asking the workers again, ask them as vLLM does where an
-output carries none, and never hand over an earlier step's. No engine starts here: the engine
-tests run every request through the hand-off (a fault in it, `test_fail_safe.py`'s hooks, leaves
-the output plain's)."""
+output carries none, and never hand over an earlier step's; and in real engines the drafts handed
+over are those vLLM's own call returns, a fault in the hand-off costing no drafts."""
 
 from __future__ import annotations
 
@@ -17,6 +16,9 @@ from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
 from vllm_selfspec.vllm_integration import draft_handoff
+
+from conftest import close_llm, make_llm, proposer_report, spec_counters, token_ids
+from fault_injection import INJECT_ENV
 
 EXECUTORS = (MultiprocExecutor, UniProcExecutor)
 
@@ -101,3 +103,39 @@ def test_the_runner_attaches_drafts_only_to_a_steps_own_output():
     output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
     draft_handoff.attach(output, lambda: "drafts")
     assert output.__dict__[draft_handoff.DRAFTS] == "drafts"
+
+
+SPEC = {
+    "method": "self-admg",
+    "num_speculative_tokens": 3,
+    "adaptive": False,
+}  # (drafts by rule: alike in every engine)
+
+
+def served(model, prompts, drafts_with_output: bool):
+    """The tokens, vLLM's spec-decode counters and the proposer's report of one engine."""
+    from vllm import SamplingParams
+
+    llm = make_llm(model, speculative_config={**SPEC, "experimental": {"drafts_with_output": drafts_with_output}})
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        return token_ids(outputs), spec_counters(llm), proposer_report(llm)
+    finally:
+        close_llm(llm)
+
+
+@pytest.mark.engine
+def test_the_drafts_handed_over_are_those_vllm_asks_for(tiny_model_path, tiny_prompts, monkeypatch):
+    """Engines alike but for the hand-off verify the same drafts and accept the same tokens (a
+    step handed an earlier step's drafts would accept fewer); the option on, steps' drafts are
+    handed over, off, none are; and with every hand-off faulting the drafts still arrive, by
+    vLLM's call, and no drafting fault is counted."""
+    handed = served(tiny_model_path, tiny_prompts, True)
+    asked = served(tiny_model_path, tiny_prompts, False)
+    monkeypatch.setenv(INJECT_ENV, "draft_handoff@every")
+    faulted = served(tiny_model_path, tiny_prompts, True)
+    assert handed[0] == asked[0] == faulted[0]
+    assert handed[1] == asked[1] == faulted[1] and handed[1]["num_draft_tokens"] > 0, (handed[1], asked[1])
+    assert handed[2]["drafts_handed_over"] > 0 and asked[2]["drafts_handed_over"] == 0
+    faults = faulted[2]
+    assert faults["draft_handoff_faults"] > 0 and faults["drafts_handed_over"] == 0 and faults["faults"] == 0, faults

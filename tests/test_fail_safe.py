@@ -259,7 +259,7 @@ def test_injected_fault_every_step_switches_drafting_off_and_serves_on(
 
 
 # The hooks the plugin adds to vLLM's loop, on the runner's side and on the scheduler's.
-HOOKS = ("update_states", "request_removed", "sample", "draft_handoff", "tenants", "schedule")
+HOOKS = ("update_states", "request_removed", "sample", "tenants", "schedule")
 
 
 @pytest.mark.engine

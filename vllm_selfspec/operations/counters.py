@@ -59,6 +59,10 @@ class ProposerCounters:
     # Drafts made but not verified: the scheduler withheld them beside a prefill, or cut them
     # at max_model_len.
     draft_tokens_withheld: int = 0
+    # Steps whose drafts went back to the engine core with the sampled tokens
+    # (`vllm_integration.draft_handoff`), and faults there (each costs a round trip, not drafts).
+    drafts_handed_over: int = 0
+    draft_handoff_faults: int = 0
     steps_prompts_waiting: int = 0  # steps the scheduler said requests wait that it could admit
     # The last measured prompts, for diagnostics and tests: (prompt_key, attention similarity,
     # MLP similarity, mask). Bounded, so a long-running server does not grow it.

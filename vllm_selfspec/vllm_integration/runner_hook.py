@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""The model runner's five hand-offs to the self-admg proposer (vLLM 0.32's `GPUModelRunner`,
-which `CPUModelRunner` inherits, so one patch covers both builds). Runners whose drafter is not
-a `SelfAdmgProposer` pass through unchanged.
+"""The five hand-offs to the self-admg proposer in vLLM 0.32's model runner (`GPUModelRunner`,
+which `CPUModelRunner` inherits, so one patch covers both builds) and its worker. Runners whose
+drafter is not a `SelfAdmgProposer` pass through unchanged.
 
 1. `propose_draft_token_ids`: a bare custom_class proposer gets only token ids. Ours also needs
    the runner (block tables, attention builders, live requests), the scheduler output and this
@@ -28,7 +28,8 @@ a `SelfAdmgProposer` pass through unchanged.
 
 Each hand-off that is ours is guarded: an exception in it is counted as a drafting fault and
 the step goes on as vLLM's own (a request whose tenant was not attached is unknown and gets no
-history; a step whose draft hand-off failed verifies no drafts).
+history; a step whose call for drafts failed verifies no drafts). The drafts' ride on the
+sampled output is the exception: its fault costs only the round trip it saves (`draft_handoff`).
 
 Installed from the proposer's constructor, so only worker processes import the runner.
 """
@@ -146,8 +147,8 @@ def _install_draft_handoff() -> None:
     def sample_tokens(self, *args, **kwargs):
         output = original(Worker, "sample_tokens")(self, *args, **kwargs)
         runner = getattr(self, "model_runner", None)
-        if _ours(runner) and runner.drafter.options.drafts_with_output:
-            _guarded(runner, lambda: draft_handoff.attach(output, runner.take_draft_token_ids))
+        if _ours(runner):
+            draft_handoff.hand_over(runner, output)  # (guarded there: its fault costs no drafts)
         return output
 
     patch(Worker, "sample_tokens", sample_tokens, "send a step's drafts with its sampled tokens")
