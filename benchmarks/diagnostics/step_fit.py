@@ -40,16 +40,11 @@ def replay(steps: list[list[float]]) -> tuple[np.ndarray, StepCostModel]:
     model, rows = StepCostModel(), []
     for prompt, logit_rows, sampled, drafts, seconds, *context in steps:
         context_read = float(context[0]) if context else 0.0
-        predicted = np.nan
-        if model.ready:
-            c = model.target()
-            new_shape = (int(logit_rows), int(sampled), int(drafts)) not in model._shapes_seen
-            predicted = (
-                c.t0 + c.t_prompt * prompt + c.t_row * logit_rows + c.t_sampled * sampled + c.t_verify * (drafts > 0)
-                + c.t_new * new_shape + c.t_context * context_read / 1000
-            )  # fmt: skip
+        prompt, logit_rows, sampled, drafts = int(prompt), int(logit_rows), int(sampled), int(drafts)
+        features = model.step_features(prompt, logit_rows, sampled, drafts, context_read)
+        predicted = model.step.predict(features) if model.ready else np.nan
         rows.append((prompt, logit_rows, sampled, drafts, seconds, predicted))
-        model.observe_step(int(prompt), int(logit_rows), int(sampled), seconds, int(drafts), context_read)
+        model.observe_step(prompt, logit_rows, sampled, seconds, drafts, context_read)
     return np.array(rows, dtype=float).reshape(-1, 6), model
 
 

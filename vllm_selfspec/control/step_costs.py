@@ -158,15 +158,21 @@ class StepCostModel:
         draft_tokens: int = 0,
         context_read: float = 0.0,
     ) -> None:
+        features = self.step_features(prompt_tokens, logit_rows, sampled_rows, draft_tokens, context_read)
         shape = (logit_rows, sampled_rows, draft_tokens)
-        new_shape = shape not in self._shapes_seen
         self._shapes_seen[shape] = None
         self._shapes_seen.move_to_end(shape)
         if len(self._shapes_seen) > MAX_SHAPES_REMEMBERED:
             self._shapes_seen.popitem(last=False)
-        self.step.observe(
-            (prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape, context_read / 1000), seconds
-        )
+        self.step.observe(features, seconds)
+
+    def step_features(
+        self, prompt_tokens: int, logit_rows: int, sampled_rows: int, draft_tokens: int, context_read: float
+    ) -> tuple:
+        """A target step's features as the fit reads them (the module docstring): its shape is
+        new until `observe_step` has seen it. `context_read`: context tokens its logit rows read."""
+        new_shape = (logit_rows, sampled_rows, draft_tokens) not in self._shapes_seen
+        return (prompt_tokens, logit_rows, sampled_rows, draft_tokens > 0, new_shape, context_read / 1000)
 
     def observe_self_step(self, rows: int, seconds: float) -> None:
         self.self_step.observe((rows,), seconds)
