@@ -1069,6 +1069,30 @@ def test_a_new_request_is_probed_only_if_self_drafting_wins_its_probe_back():
     assert mixed.self_rows == [True, False] and mixed.self_length == 4
 
 
+def test_a_fresh_servers_first_retry_is_priced_by_the_probe_its_warm_up_timed():
+    """A fresh server has timed no self-draft step and run no probe in earnest, so its first
+    retry's probe was priced at nothing: the per-row rule let the retry through once the rows had
+    banked its verification, and every row then waited for the probe. The warm-up's timed probe
+    (`StepLessons.warm_up_probed`) prices it: a probe of four steps waits until every row has
+    banked that much, and is made then."""
+    from vllm_selfspec.control.step_costs import self_step_cost
+
+    def first_retry(warm_up_probe):
+        controller = trained(t0=0.25, t1=0.01, self_step=0.1, lookup_rate=0.8, self_rate=0.2, protect_rows=True)
+        controller.costs.self_step = self_step_cost()  # (no retry has timed one yet)
+        if warm_up_probe is not None:
+            controller.observe_probe(rows=1, seconds=warm_up_probe)
+        rows = self_rows(2)
+        for step in range(400):
+            if controller.plan(rows, 4).explored:
+                return step
+            controller.planner.ledger.settle({row.req_id: 0 for row in rows})
+        return None
+
+    assert first_retry(None) < 32  # (due after 16 steps)
+    assert 150 < first_retry(1.0) < 400  # (2% of a 0.27 s step banked a step, towards 1 s)
+
+
 def test_a_retry_drafts_with_the_rows_that_have_a_mask_or_else_one_new_row():
     controller = trained(t0=0.25, t1=0.02, self_step=0.1, lookup_rate=0.8, self_rate=0.2)
     rows = [dataclasses.replace(o, has_mask=i == 1) for i, o in enumerate(self_rows(3))]

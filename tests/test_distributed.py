@@ -133,7 +133,7 @@ def test_a_fault_on_one_rank_inside_the_draft_forwards_stops_every_rank_at_one_c
     same checkpoint, serve those steps without drafts, count the same skipped steps, and go on
     drafting (`mixed_options` self-drafts in every step, so the forwards are certain to run)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    monkeypatch.setenv(INJECT_ENV, "probe@2@rank1,draft@3@rank1")
+    monkeypatch.setenv(INJECT_ENV, "probe@3@rank1,draft@3@rank1")  # (the warm-up probes twice)
     llm = make_llm(tiny_model_path, tensor_parallel_size=2, speculative_config=mixed_options)
     try:
         outputs = within(120, lambda: llm.generate(tiny_prompts, SamplingParams(**GREEDY), use_tqdm=False))

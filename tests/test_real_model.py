@@ -10,7 +10,7 @@ from vllm import SamplingParams
 
 from benchmarks import assets
 
-from conftest import SELF_DRAFTS_ONLY, close_llm, make_llm, pin_step_costs, spec_counters, token_ids
+from conftest import SELF_DRAFTS_ONLY, close_llm, make_llm, pin_step_costs, proposer_report, spec_counters, token_ids
 
 pytestmark = [pytest.mark.engine, pytest.mark.real_model]
 
@@ -115,8 +115,13 @@ def test_drafting_quality_holds_its_recorded_floor(smollm2, options):
         for prompt in prompts[:QUALITY_PROMPTS]:  # one request at a time
             llm.generate([prompt], params, use_tqdm=False)
         after = spec_counters(llm)
+        measured = proposer_report(llm)["prompts_measured"]
+        probe_price = llm.collective_rpc(lambda worker: worker.model_runner.drafter.controller.costs.probe_seconds)[0]
     finally:
         close_llm(llm)
+    # Self-drafting dear, so no prompt was probed in earnest: the probe's price is the one the
+    # warm-up timed, which prices a fresh server's first retry (not as free).
+    assert measured == 0 and probe_price is not None and probe_price > 0
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     drafts = after["num_drafts"] - before["num_drafts"]
     mean_length = 1 + accepted / max(drafts, 1)

@@ -108,7 +108,9 @@ class SelfAdmgProposer(runner_hook.HookedProposer):
 
         forward = meet_after(own_part) if forwards else own_part()  # (no forward follows: no checkpoint)
         if warm_row is not None:
-            self.counters.warmup_seconds += self.self_drafter.warm_up(step, forward, warm_row)
+            warm = self.self_drafter.warm_up(step, forward, warm_row)
+            self.counters.warmup_seconds += warm.seconds
+            self.fail_safe.attempt(lambda: self.pipeline.lessons.warm_up_probed(warm.probe_seconds))
         if plan.self_length and self_rows:
             self._self_draft(step, forward, self_rows, plan.self_length, drafts)
         self.pipeline.lessons.step_ended(drafted=True)

@@ -152,6 +152,11 @@ class StepLessons:
         self.counters.probe_seconds += probe.seconds
         self.controller.observe_probe(len(probe.measurements), probe.seconds)
 
+    def warm_up_probed(self, seconds: float) -> None:
+        """The warm-up's timed probe of one prompt: until a probe runs in earnest, what the
+        first one is priced at (a retry's per-row room, a new row's unpaid probe)."""
+        self.controller.observe_probe(1, seconds)
+
     def self_drafts_ran(self, run) -> None:
         """A batch of self-drafts (`self_drafting.drafter.DraftRun`): each draft step's rows and time."""
         for rows, seconds in zip(run.step_rows, run.step_seconds):

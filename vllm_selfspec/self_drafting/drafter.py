@@ -23,6 +23,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -64,6 +65,15 @@ class DraftRun:
     step_seconds: list[float] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
+
+
+class WarmUp(NamedTuple):
+    """The warm-up's seconds in all, and those of its second probe of one prompt, set up by then:
+    the first self-draft retry's probe is priced by it (`StepCostModel.observe_probe`), not as
+    free, so that the per-row rule weighs it before any probe has run in earnest."""
+
+    seconds: float
+    probe_seconds: float
 
 
 SUBLAYERS = ("attention", "mlp")  # a mask's fields
@@ -124,16 +134,23 @@ class SelfDrafter:
         attn_mean, mlp_mean = same_on_all_ranks(means).cpu().numpy()
         return attn_mean, mlp_mean, query_lens
 
-    def warm_up(self, step: StepView, forward: DraftForward, row: int) -> float:
+    def warm_up(self, step: StepView, forward: DraftForward, row: int) -> WarmUp:
         """One row: a probe whose result is dropped, and a one-token draft whose KV at the row's
-        next position the next step overwrites, as it does any draft's. Returns its seconds."""
+        next position the next step overwrites, as it does any draft's; then the probe again,
+        timed, now that it is set up: what a probe costs (`WarmUp`)."""
         start = time.perf_counter()
-        attn_mean, mlp_mean, _ = self._similarities(step, forward, [row])
-        mask = select_skip_mask(attn_mean[0], mlp_mean[0], self.options, self.sublayer_bytes)
+        mask = self._mask(step, forward, row)
         scratch: list[list[int]] = [[] for _ in range(row + 1)]
         self._draft(step, forward, [row], [mask], np.ones(1, np.int64), scratch)
+        probed_at = time.perf_counter()
+        self._mask(step, forward, row)
+        end = time.perf_counter()
         self.warmed_up = True
-        return time.perf_counter() - start
+        return WarmUp(seconds=end - start, probe_seconds=end - probed_at)
+
+    def _mask(self, step: StepView, forward: DraftForward, row: int) -> SkipMask:
+        attn_mean, mlp_mean, _ = self._similarities(step, forward, [row])
+        return select_skip_mask(attn_mean[0], mlp_mean[0], self.options, self.sublayer_bytes)
 
     def draft(
         self, step: StepView, forward: DraftForward, rows: list[int], budgets: list[int], drafts: list[list[int]]
