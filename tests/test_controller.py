@@ -1093,6 +1093,22 @@ def test_a_fresh_servers_first_retry_is_priced_by_the_probe_its_warm_up_timed():
     assert 150 < first_retry(1.0) < 400  # (2% of a 0.27 s step banked a step, towards 1 s)
 
 
+def test_the_warm_up_prices_probes_only_until_one_runs_in_earnest():
+    """The warm-up's probe is of one prompt, whatever the workload's: the first probe in earnest
+    replaces its price, later ones average in; a warm-up timed again never replaces theirs."""
+    from vllm_selfspec.control.step_costs import StepCostModel
+
+    costs = StepCostModel()
+    costs.observe_probe(1, 1.0, provisional=True)
+    assert costs.probe_seconds == 1.0
+    costs.observe_probe(2, 0.4)
+    assert costs.probe_seconds == pytest.approx(0.2)
+    costs.observe_probe(1, 0.4)
+    assert costs.probe_seconds == pytest.approx(0.7 * 0.2 + 0.3 * 0.4)
+    costs.observe_probe(1, 5.0, provisional=True)
+    assert costs.probe_seconds == pytest.approx(0.26)
+
+
 def test_a_retry_drafts_with_the_rows_that_have_a_mask_or_else_one_new_row():
     controller = trained(t0=0.25, t1=0.02, self_step=0.1, lookup_rate=0.8, self_rate=0.2)
     rows = [dataclasses.replace(o, has_mask=i == 1) for i, o in enumerate(self_rows(3))]

@@ -241,7 +241,8 @@ def plain_ids(plain_tiny, tiny_prompts):
 def test_injected_fault_at_each_stage_costs_only_that_steps_drafts(
     tiny_model_path, tiny_prompts, plain_ids, monkeypatch
 ):
-    ids, report = run_with_faults(tiny_model_path, tiny_prompts, "lookup@3,plan@7,probe@1,draft@9", monkeypatch)
+    ids, report = run_with_faults(tiny_model_path, tiny_prompts, "lookup@3,plan@7,probe@2,draft@9", monkeypatch)
+    # (probe@2: the warm-up's second, timed probe, whose fault must cost only its step's drafts)
     assert ids == plain_ids
     assert report["faults"] == 4 and not report["drafting_disabled"]
     for stage in ("lookup", "plan", "probe", "draft"):

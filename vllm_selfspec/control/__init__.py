@@ -56,8 +56,8 @@ class DraftController:
     def observe_self_step(self, rows: int, seconds: float) -> None:
         self.costs.observe_self_step(rows, seconds)
 
-    def observe_probe(self, rows: int, seconds: float) -> None:
-        self.costs.observe_probe(rows, seconds)
+    def observe_probe(self, rows: int, seconds: float, *, provisional: bool = False) -> None:
+        self.costs.observe_probe(rows, seconds, provisional=provisional)
 
     def observe_draft(self, req_id: str, source: str, drafted: int, accepted: int, *learned) -> None:
         """`AcceptanceModel.observe_draft`; `learned`: its calibration and estimate, if any."""

@@ -153,9 +153,9 @@ class StepLessons:
         self.controller.observe_probe(len(probe.measurements), probe.seconds)
 
     def warm_up_probed(self, seconds: float) -> None:
-        """The warm-up's timed probe of one prompt: until a probe runs in earnest, what the
-        first one is priced at (a retry's per-row room, a new row's unpaid probe)."""
-        self.controller.observe_probe(1, seconds)
+        """The warm-up's timed probe of one prompt: until a probe runs in earnest, what one is
+        priced at (a retry's per-row room, a new row's unpaid probe)."""
+        self.controller.observe_probe(1, seconds, provisional=True)
 
     def self_drafts_ran(self, run) -> None:
         """A batch of self-drafts (`self_drafting.drafter.DraftRun`): each draft step's rows and time."""

@@ -480,7 +480,7 @@ def unpaid_probes(costs: StepCostModel, offers: StepOffers, self_rows, without_s
     seconds per token that self-drafting saves this step (over the whole batch, an
     approximation of a row's own share), times each row's tokens left. In a server every
     request is new once; a probe costs a few target steps, more than a short request can win
-    back. Before any probe is timed, probes are free (to time one)."""
+    back. Until one is timed, probes are free (to time one); the warm-up times one."""
     probe = costs.probe_seconds
     new = {i for i in self_rows if not offers.has_mask[i]}
     saving = without_self.seconds / without_self.tokens - with_self.seconds / with_self.tokens

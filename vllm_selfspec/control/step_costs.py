@@ -144,6 +144,7 @@ class StepCostModel:
     step: LinearCost = field(default_factory=target_step_cost)
     self_step: LinearCost = field(default_factory=self_step_cost)
     probe_seconds: float | None = None  # per probed prompt, a moving average
+    _probe_provisional: bool = False  # probe_seconds is the warm-up's (`observe_probe`)
     # The step shapes met lately, most recent last: bounded, since a long-running server meets
     # ever more (a shape dropped and met again is charged its set-up once more, a small error).
     _shapes_seen: OrderedDict = field(default_factory=OrderedDict)
@@ -177,10 +178,18 @@ class StepCostModel:
     def observe_self_step(self, rows: int, seconds: float) -> None:
         self.self_step.observe((rows,), seconds)
 
-    def observe_probe(self, rows: int, seconds: float) -> None:
-        """A statistics probe over `rows` new prompts (what a row pays before its first self-draft)."""
+    def observe_probe(self, rows: int, seconds: float, *, provisional: bool = False) -> None:
+        """A statistics probe over `rows` new prompts (what a row pays before its first self-draft).
+        `provisional`: the warm-up's, one prompt timed before any probe ran in earnest; it prices
+        probes until the first one in earnest replaces it, and never replaces one itself."""
         per_row = seconds / rows
-        self.probe_seconds = per_row if self.probe_seconds is None else 0.7 * self.probe_seconds + 0.3 * per_row
+        if provisional:
+            if self.probe_seconds is None or self._probe_provisional:
+                self.probe_seconds, self._probe_provisional = per_row, True
+            return
+        first = self.probe_seconds is None or self._probe_provisional
+        self.probe_seconds = per_row if first else 0.7 * self.probe_seconds + 0.3 * per_row
+        self._probe_provisional = False
 
     @property
     def ready(self) -> bool:
