@@ -339,20 +339,24 @@ def test_a_server_engine_withholds_drafts_while_it_admits_a_prompt_and_tells_the
 def test_a_steps_rows_read_at_once_are_each_row_read_alone():
     """`StepView.rows` (the rows' facts gathered from a `RequestTable` kept from step to step)
     against each request's own sampling parameters: the rows that sampled, their tokens left,
-    whether they sample and may draft, their draft budgets and how many end with the step (at
+    whether they sample, may draft and sent a prediction, their draft budgets and how many end with the step (at
     max_tokens, or on a stop id among its tokens); over steps where requests end and new ones
     take their slots."""
     import random
 
     from vllm.sampling_params import SamplingParams
 
+    from vllm_selfspec.sources.prediction import PREDICTION_KEY
     from vllm_selfspec.vllm_integration.runner_state import RequestFacts, RequestTable, StepRow, StepView
 
     rng = random.Random(4)
     table, live, compared, ended = RequestTable(), {}, 0, 0
+    predicting = {"extra_args": {PREDICTION_KEY: [5, 6, 7]}}  # (what the front door leaves on a request)
     for step_index in range(60):
         while len(live) < 5 or rng.random() < 0.3:
-            extra = rng.choice([{}, {"temperature": 0.8}, {"min_p": 0.1, "temperature": 0.5}, {"stop_token_ids": [11]}])
+            extra = rng.choice(
+                [{}, {"temperature": 0.8}, {"min_p": 0.1, "temperature": 0.5}, {"stop_token_ids": [11]}, predicting]
+            )
             params = SamplingParams(max_tokens=rng.choice([None, 4, 40]), **extra)
             params.update_from_generation_config({}, eos_token_id=2)
             live[f"r{step_index}-{len(live)}"] = SimpleNamespace(sampling_params=params, output_token_ids=[])
@@ -363,15 +367,17 @@ def test_a_steps_rows_read_at_once_are_each_row_read_alone():
             live[req_id].output_token_ids.extend(tokens)
         runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=req_ids), requests=live)
         view = StepView(runner, SimpleNamespace(), sampled, table)
-        rows, want, ending = view.rows, [], 0
+        rows, want, ending, predicted = view.rows, [], 0, []
         for i, (req_id, tokens) in enumerate(zip(req_ids, sampled)):
             facts = RequestFacts.of(live[req_id].sampling_params)
             if tokens:
                 left = None if facts.max_tokens is None else facts.max_tokens - len(live[req_id].output_token_ids)
                 want.append(StepRow(i, req_id, left, facts.sampled, facts.may_draft))
+                predicted.append(PREDICTION_KEY in (live[req_id].sampling_params.extra_args or {}))
                 ending += (left is not None and left <= 0) or not facts.stop_ids.isdisjoint(tokens)
         assert list(rows) == want
         assert rows.budgets(8).tolist() == [row.draft_budget(8) if row.may_draft else 0 for row in want]
+        assert rows.predicted.tolist() == predicted
         assert view.finishing_rows == ending
         compared, ended = compared + len(want), ended + ending
         for req_id in req_ids:  # (requests end: their slots are taken again)
@@ -379,6 +385,7 @@ def test_a_steps_rows_read_at_once_are_each_row_read_alone():
                 table.forget(req_id)
                 del live[req_id]
     assert compared > 150 and ended > 10 and set(table.slot_of) <= set(live)  # (nothing kept of an ended request)
+    assert 0 < sum(table.predicted[slot] for slot in table.slot_of.values()) < len(table.slot_of)
     held = [stop_id for slot in table.slot_of.values() for stop_id in table.stop_ids[slot]]
     assert table.every_stop_id == {stop_id: held.count(stop_id) for stop_id in set(held)}
 

@@ -64,12 +64,14 @@ def test_plans_replay_as_recorded(recorded, workload, batch):
 
 
 def test_the_plan_and_gains_kernels_compile_once():
-    """Every plan, every step's gains, predictions and lessons call their compiled kernels with the types their
+    """Every plan, every step's budgets, gains, predictions and lessons call their compiled kernels with the types their
     warm-ups compiled at the engine's start: a second signature would be compiled in the middle
     of a serving step."""
     from vllm_selfspec.control import acceptance, cost_fit, draining_plan, lookup_plan, request_rates
     from vllm_selfspec.sources import request_predictions
+    from vllm_selfspec.vllm_integration import runner_state
 
+    runner_state.warm_up()
     lookup_plan.warm_up()
     acceptance.warm_up()
     request_predictions.warm_up()
@@ -93,6 +95,7 @@ def test_the_plan_and_gains_kernels_compile_once():
     assert len(cost_fit.ridge_nonnegative_fit.signatures) == 1, cost_fit.ridge_nonnegative_fit.signatures
     assert len(cost_fit.add_decayed.signatures) == 1, cost_fit.add_decayed.signatures
     assert len(draining_plan.finish_lines.signatures) == 1, draining_plan.finish_lines.signatures
+    assert len(runner_state.draft_budgets.signatures) == 1, runner_state.draft_budgets.signatures
 
 
 def test_the_recording_drafts():

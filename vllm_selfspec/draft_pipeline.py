@@ -28,6 +28,7 @@ from vllm_selfspec.sources.request_predictions import warm_up as warm_up_request
 from vllm_selfspec.sources.row_lookup import RowLookup
 from vllm_selfspec.sources.step_drafts import StepDrafts
 from vllm_selfspec.vllm_integration.runner_state import RequestTable
+from vllm_selfspec.vllm_integration.runner_state import warm_up as warm_up_step_rows
 
 
 class PreparedStep(NamedTuple):
@@ -63,6 +64,7 @@ class DraftPipeline:
         fail_safe.attempt(warm_up_draining_plan)
         fail_safe.attempt(warm_up_prediction_cursor)
         fail_safe.attempt(warm_up_request_predictions)
+        fail_safe.attempt(warm_up_step_rows)
         if options.lookup:
             fail_safe.attempt(warm_up_lookup)
 

@@ -122,6 +122,10 @@ class RequestPredictions(RequestSlots):
         prediction built to be left at every fourth token, say) the context's own repeats may
         draft better, and the longer match drafts."""
         stands_alone = np.zeros(len(rows), dtype=bool)
+        if not rows.predicted.any():  # (no row's request sent one: most steps of most servers)
+            return stands_alone
+        predicted_rows = rows.predicted
+        drafting = [i for i in drafting if predicted_rows[i]]
         slots = self.slots(step, rows, drafting, failed)
         predicted = [(i, slot) for i, slot in zip(drafting, slots) if slot != NO_PREDICTION]
         if fail_safe.fault_hook is not None:  # (the tests' faults that one request causes)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from vllm_selfspec.compiled import compiled
 from vllm_selfspec.request_slots import NO_SLOT, RequestSlots, widened
 
 
@@ -42,6 +43,9 @@ class StepRows:
     tokens_left: np.ndarray  # float64: before max_tokens (inf: no limit)
     sampled: np.ndarray  # bool: temperature > 0
     may_draft: np.ndarray  # bool: False where its sampling is the plain sampler's only (min_p, logit_bias)
+    # bool: its request sent a prediction (`sources.prediction`); rows given one by one may have
+    # sent one (whether it did is read where their predictions are)
+    predicted: np.ndarray
 
     @staticmethod
     def of(rows) -> StepRows:
@@ -53,6 +57,7 @@ class StepRows:
             tokens_left=np.array([math.inf if t is None else t for t in left], dtype=np.float64),
             sampled=np.array([getattr(row, "sampled", False) for row in rows], dtype=bool),
             may_draft=np.array([getattr(row, "may_draft", True) for row in rows], dtype=bool),
+            predicted=np.ones(len(rows), dtype=bool),
         )
 
     def __len__(self) -> int:
@@ -70,8 +75,7 @@ class StepRows:
 
     def budgets(self, k: int) -> np.ndarray:
         """`StepRow.draft_budget` of every row (0 where it may not draft)."""
-        budgets = np.maximum(np.minimum(self.tokens_left - 1, k), 0).astype(np.int64)
-        return np.where(self.may_draft, budgets, 0)
+        return draft_budgets(self.tokens_left, self.may_draft, k)
 
 
 class StepShape(NamedTuple):
@@ -94,15 +98,18 @@ class RequestFacts:
     sampled: bool  # temperature > 0
     may_draft: bool  # False: its sampling (min_p, logit_bias) is applied by the plain sampler only
     stop_ids: frozenset[int]  # end-of-sequence and stop token ids
+    predicted: bool = False  # it sent a prediction (read, and checked, where drafts are made of it)
 
     @staticmethod
     def of(params) -> RequestFacts:
+        from vllm_selfspec.sources.prediction import PREDICTION_KEY
         from vllm_selfspec.vllm_integration.sampling_params import needs_plain_sampling
 
         if params is None:
             return RequestFacts(None, False, True, frozenset())
         stops = frozenset(params.stop_token_ids or ()) | {params.eos_token_id}
-        return RequestFacts(params.max_tokens, _samples(params), not needs_plain_sampling(params), stops)
+        predicted = PREDICTION_KEY in (getattr(params, "extra_args", None) or {})
+        return RequestFacts(params.max_tokens, _samples(params), not needs_plain_sampling(params), stops, predicted)
 
 
 class RequestTable(RequestSlots):
@@ -114,6 +121,7 @@ class RequestTable(RequestSlots):
         super().__init__()
         self.max_tokens = np.zeros(0)  # float64 (inf: no limit)
         self.sampled, self.may_draft = np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
+        self.predicted = np.zeros(0, dtype=bool)
         self.stop_ids: list[frozenset[int]] = []
         # Every live request's stop ids, each with how many live requests hold it: kept as
         # requests come and go, at the cost of reading their stop ids once, whatever their number.
@@ -131,13 +139,14 @@ class RequestTable(RequestSlots):
         facts, slot = RequestFacts.of(params), self._take(req_id)
         self.max_tokens[slot] = math.inf if facts.max_tokens is None else facts.max_tokens
         self.sampled[slot], self.may_draft[slot], self.stop_ids[slot] = facts.sampled, facts.may_draft, facts.stop_ids
+        self.predicted[slot] = facts.predicted
         for stop_id in facts.stop_ids:
             self.every_stop_id[stop_id] = self.every_stop_id.get(stop_id, 0) + 1
         return slot
 
     def _grow(self, old: int) -> None:
         self.max_tokens, self.sampled = widened(self.max_tokens, self.capacity), widened(self.sampled, self.capacity)
-        self.may_draft = widened(self.may_draft, self.capacity)
+        self.may_draft, self.predicted = widened(self.may_draft, self.capacity), widened(self.predicted, self.capacity)
         self.stop_ids.extend([frozenset()] * (self.capacity - old))
 
     def _freed(self, slot: int) -> None:
@@ -206,6 +215,7 @@ class StepView:
             self.facts.max_tokens[slots] - emitted,
             self.facts.sampled[slots],
             self.facts.may_draft[slots],
+            self.facts.predicted[slots],
         )
 
     def verified_draft_tokens(self, req_id: str) -> int:
@@ -299,6 +309,21 @@ class StepView:
 
     def tokens_at(self, rows: list[int], positions: np.ndarray) -> np.ndarray:
         return self.batch.token_ids_cpu[rows, positions]
+
+
+@compiled
+def draft_budgets(tokens_left, may_draft, k):
+    """`StepRows.budgets`: one call where NumPy made four (on the host beside every GPU step)."""
+    budgets = np.zeros(len(tokens_left), dtype=np.int64)
+    for r in range(len(tokens_left)):
+        if may_draft[r]:
+            budgets[r] = max(0, int(min(tokens_left[r] - 1, k)))
+    return budgets
+
+
+def warm_up() -> None:
+    """Compile `draft_budgets` (or load it from numba's cache) at the engine's start."""
+    draft_budgets(np.ones(1), np.ones(1, dtype=bool), 1)
 
 
 # vLLM's SamplingParams.sampling_type is GREEDY below this temperature; read as vLLM reads
