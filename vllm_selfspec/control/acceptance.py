@@ -465,12 +465,10 @@ class AcceptanceModel:
         array, the products along each row: one compiled call."""
         slots = self.requests.slots(offers.req_ids)
         # Per source, by its index: its rate and calibration factor (self-drafts', unread: ones).
+        rates, calibrated = self.rates, self.estimate_calibration
         source_rates = np.array(
-            [
-                [self.rates[s].rate, self.estimate_calibration[s].factor] if s in LOOKED_UP else [1.0, 1.0]
-                for s in SOURCES
-            ]
-        )
+            [x for s in SOURCES for x in ((rates[s].rate, calibrated[s].factor) if s in LOOKED_UP else (1.0, 1.0))]
+        ).reshape(len(SOURCES), 2)
         offered = (offers.lookup_tokens, offers.sampled, offers.match, offers.has_probs, offers.probs)
         offered = (*offered, self._bin_rates, AGREEMENT, MATCH)
         own_rates = (self.requests.seen, self.requests.accepted, self.requests.trials)

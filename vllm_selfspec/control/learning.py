@@ -70,11 +70,11 @@ class StepLessons:
         """What verification made of the last call's drafts, learned at once, in the step's row
         order: each row's accepted draft tokens (None: the scheduler cut its draft short or
         withheld it; 0: it drafted nothing)."""
+        made = self._made()
+        if made is None:  # (no drafts: most steps)
+            return dict.fromkeys(step.rows.req_ids, 0)
         index = dict(zip(step.rows.req_ids, step.rows.index.tolist()))
         accepted: dict[str, int | None] = dict.fromkeys(index, 0)
-        made = self._made()
-        if made is None:
-            return accepted
         order = sorted((index[r], k) for k, r in enumerate(made.req_ids) if r in index)
         if not order:
             return accepted

@@ -220,7 +220,7 @@ class DraftPlanner:
         steady = not draining or len(offers) == 1  # (one row's end is the batch's: the steady plan is that)
         laid = self.lay_out(offers, step_gains, step, prompts_waiting, steady)
         plain_seconds = laid.plain_seconds
-        self_rows = np.flatnonzero(laid.self_rows).tolist()
+        self_rows = laid.self_rows.nonzero()[0].tolist()  # (np.flatnonzero: a Python wrapper round this)
         if not steady:
             choice = draining_choice(offers, gains, laid.cost, step, self_budget, self.acceptance.self_rate, self.costs)
             # At best (every token accepted) a self-draft over these rows saves a step per draft
@@ -375,7 +375,7 @@ class DraftPlanner:
 def lay_out_compiled(planner: DraftPlanner, offers, step_gains, step, prompts_waiting: bool, plan: bool) -> StepLayout:
     """`DraftPlanner.lay_out` by one call of the compiled kernel (`lookup_plan.steady_lookup_plan`)."""
     # (the rule's inputs are read only where some row offers a draft: the kernel plans only then)
-    protect = plan and planner.protect_rows and len(offers) > 1 and bool(offers.lookup_tokens.any())
+    protect = plan and planner.protect_rows and len(offers) > 1 and np.count_nonzero(offers.lookup_tokens) > 0
     if protect:
         ahead = np.array(planner.ledger.ahead(offers.req_ids), dtype=np.float64)
         rule = (True, *planner.acceptance.trust_rule(offers, step_gains), ahead)
@@ -497,7 +497,8 @@ def make_retry(
     than every row allows (`room()`: what the per-row rule leaves; None: no rule). `cost`: each
     row's seconds a verified token. Whether it could pay is asked first: once a retry is due it
     is asked every step until one is made, and where self-drafting does not pay it never is."""
-    retry_rows = {i for i in self_rows if offers.has_mask[i]} or {self_rows[0]}
+    has_mask = offers.has_mask
+    retry_rows = ({i for i in self_rows if has_mask[i]} if np.count_nonzero(has_mask) else set()) or {self_rows[0]}
     if not retry_pays(costs, offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
         return False
     seconds = retry_step_seconds(costs, offers, cost, step, retry_rows)

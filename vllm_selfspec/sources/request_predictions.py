@@ -122,7 +122,7 @@ class RequestPredictions(RequestSlots):
         prediction built to be left at every fourth token, say) the context's own repeats may
         draft better, and the longer match drafts."""
         stands_alone = np.zeros(len(rows), dtype=bool)
-        if not rows.predicted.any():  # (no row's request sent one: most steps of most servers)
+        if not np.count_nonzero(rows.predicted):  # (no row's request sent one: most steps of most servers)
             return stands_alone
         predicted_rows = rows.predicted
         drafting = [i for i in drafting if predicted_rows[i]]

@@ -31,12 +31,17 @@ class StepDrafts:
     @staticmethod
     def empty(rows: int, width: int) -> StepDrafts:
         width = max(width, 1)
+        # (filled in place: np.ones and np.full are Python wrappers round the same, at a cost on
+        # the host beside every GPU step)
+        probs, sources = np.empty((rows, width)), np.empty(rows, dtype=np.int64)
+        probs.fill(1.0)
+        sources.fill(SOURCE_INDEX[DraftSource.LOOKUP])
         return StepDrafts(
             tokens=np.zeros((rows, width), dtype=np.int64),
-            probs=np.ones((rows, width)),
+            probs=probs,
             lengths=np.zeros(rows, dtype=np.int64),
             match=np.zeros(rows, dtype=np.int64),
-            sources=np.full(rows, SOURCE_INDEX[DraftSource.LOOKUP], dtype=np.int64),
+            sources=sources,
             has_probs=np.zeros(rows, dtype=bool),
         )
 
@@ -74,7 +79,7 @@ class StepDrafts:
             probs=self.probs,
             has_probs=self.has_probs,
             match=self.match,
-            can_self_draft=np.array(budgets, dtype=np.int64) > 0,
+            can_self_draft=np.array(budgets, dtype=bool),  # (budgets are never negative)
             sampled=rows.sampled,
             remaining=rows.tokens_left,
             has_mask=np.array([r in probed for r in req_ids], dtype=bool) if probed else np.zeros(len(rows), bool),

@@ -198,7 +198,7 @@ class StepView:
             stop_ids = self.facts.stop_ids
             for j, (i, slot) in enumerate(zip(rows.index.tolist(), self._slots.tolist())):
                 ended[j] |= not stop_ids[slot].isdisjoint(sampled[i])
-        return int(ended.sum())
+        return np.count_nonzero(ended)
 
     @functools.cached_property
     def rows(self) -> StepRows:
