@@ -121,3 +121,20 @@ def test_at_capacity_the_per_row_rule_keeps_every_request_within_its_slack():
     assert default["slowest_x"] >= 0.98
     assert throughput["slowest_x"] < 0.98 and throughput["batch_x"] > 1.2
     assert throughput["batch_x"] > default["batch_x"] > 1
+
+
+def test_the_paired_comparison_runs_a_commit_beside_the_working_tree_and_sees_a_plan_change(monkeypatch, capsys):
+    """`benchmarks.diagnostics.host_time_ab`: HEAD's copy, imported under other names, takes
+    turns with the working tree over the same requests; the plans agree, and a copy that plans
+    otherwise (other pinned step costs) is told apart."""
+    from benchmarks.diagnostics import host_time_ab
+
+    args = ["--against", "HEAD", "--cells", "lookup:4", "--rounds", "2", "--steps", "12", "--warm-up", "4"]
+    (row,) = host_time_ab.main(args)
+    assert row["same_plans"] and row["then"] > 0 and row["now"] > 0 and 0 < row["ratio"]
+    assert set(row["now_stages"]) == set(row["then_stages"]) >= {"look_up", "plan"}
+    assert "| lookup | 4 |" in capsys.readouterr().out
+    then = host_time_ab.copy_of("HEAD")
+    monkeypatch.setattr(then, "GPU_8B", {**then.GPU_8B, "t_verify": 0.0, "t_row": 0.0})  # (drafts cost nothing)
+    (row,) = host_time_ab.main(args)
+    assert not row["same_plans"]

@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
+"""Is a change to the proposer's host side faster, and does it plan the same? Two checkouts'
+model-free stages (`benchmarks.host_time`), step by step in one process.
+
+Runs of `benchmarks.host_time` one after the other differ by up to 2x on a 2-core VM (a process
+lands fast or slow, and the machine's speed comes in bursts), far more than most changes move
+it. Here the working tree's pipeline and an earlier commit's (`--against`, a copy of its
+`vllm_selfspec` and `benchmarks` under other names) take turns, step by step, each over its own
+copy of the same requests, which goes first alternating: each pair of steps meets the same
+machine. Per cell, each round's median step of each, their ratio (below 1: the working tree is
+faster), each stage's medians, and whether every step planned the same. Step costs pinned as in
+`host_time`; the lookup gate told a fixed cost per row, so that plans do not follow the timing.
+
+    .venv/bin/python -m benchmarks.diagnostics.host_time_ab --against HEAD~3
+    .venv/bin/python -m benchmarks.diagnostics.host_time_ab --cells recorded:16 nothing:64 --rounds 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+from benchmarks import host_time as now
+
+RENAMED = {"vllm_selfspec": "vllm_selfspec_then", "benchmarks": "benchmarks_then"}
+REPOSITORY = Path(__file__).resolve().parents[2]
+LOOKUP_SECONDS_PER_ROW = 2e-6
+
+
+def copy_of(rev: str):
+    """`benchmarks.host_time` of commit `rev`, with its `vllm_selfspec`, imported under other
+    names from a copy in the lab's cache (kept: numba's compiled kernels are cached beside it)."""
+    from benchmarks.assets import cache_root
+
+    git = lambda *args: subprocess.run(["git", *args], cwd=REPOSITORY, capture_output=True, check=True).stdout  # noqa: E731
+    into = cache_root() / "host-time-ab" / git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+    if not (into / "benchmarks_then").exists():
+        into.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=BytesIO(git("archive", rev, *RENAMED))) as tar:
+            tar.extractall(into, filter="data")
+        names = re.compile(r"\b(" + "|".join(RENAMED) + r")\b")
+        for package, renamed in RENAMED.items():
+            for path in (into / package).rglob("*.py"):
+                path.write_text(names.sub(lambda m: RENAMED[m[1]], path.read_text()))
+            (into / package).rename(into / renamed)  # (last: a copy half made is made again)
+    sys.path.insert(0, str(into))
+    return importlib.import_module("benchmarks_then.host_time")
+
+
+class Side:
+    """One checkout's pipeline over its own copy of a cell's requests, driven a step at a time
+    as `host_time.run_ours` drives it."""
+
+    def __init__(self, module, workload: str, batch: int, *, seed: int, k: int, answer: int, answers):
+        made = {"context": 1024, "answer": answer, "history": None, "seed": seed}
+        self.module, self.k = module, k
+        self.runner = module.make_runner(workload, batch, made, answers, None)
+        self.pipeline = pipeline = module.DraftPipeline(module.make_options({}), k, module.FailSafe())
+        module.pin_step_costs(pipeline.controller.costs, **module.GPU_8B)
+        gate = pipeline.controller.lookup_gate
+        pipeline.controller.observe_lookup = lambda rows, _: gate.observe_lookup(rows, rows * LOOKUP_SECONDS_PER_ROW)
+        self.drafts = [[] for _ in self.runner.rows]
+        self.seconds: list[float] = []
+        self.parts: dict[str, list[float]] = {}
+        self.plans: list[list[int]] = []
+
+    def _lookup_drafts(self, prepared, warm_up: bool) -> list[list[int]]:
+        drafts = [[] for _ in range(prepared.step.num_rows)]
+        plan = self.module.DraftPlan.from_ints(prepared.plan_ints, len(prepared.offers))
+        self.pipeline.take_lookup_drafts(prepared, plan, drafts)
+        self.pipeline.lessons.step_ended(drafted=True)
+        self.plans.append([int(x) for x in prepared.plan_ints])
+        return drafts
+
+    def step(self, measured: bool) -> None:
+        module, runner, pipeline = self.module, self.runner, self.pipeline
+        output, sampled = runner.step(self.drafts)
+        parts: dict[str, float] = {}
+        start = time.perf_counter()
+        clock = module.PartClock(parts)
+        for req_id, request in runner.ended:
+            pipeline.forget(req_id, request)
+        tenants = tuple((r.req_id, None) for r in output.scheduled_new_reqs)
+        pipeline.begin_step(module.SchedulerNote(tenants=tenants), runner.requests)
+        clock.lap("update_states")
+        view = module.StepView(runner, output, sampled, pipeline.request_facts)
+        self.drafts = pipeline.propose(view, clock, probed=(), warmed_up=True, draft=self._lookup_drafts)
+        if measured:
+            self.seconds.append(time.perf_counter() - start)
+            for part, seconds in parts.items():
+                self.parts.setdefault(part, []).append(seconds)
+
+
+def compare(then, cell: tuple[str, int], *, rounds: int, steps: int, warm_up: int, k: int, answers) -> dict:
+    """One cell's rounds, the two pipelines in turns: medians in ms, and the ratios."""
+    workload, batch = cell
+    answer = k * (warm_up + steps) + 64
+    sides = {"then": [], "now": []}
+    for round_ in range(rounds):
+        pair = {
+            name: Side(module, workload, batch, seed=round_, k=k, answer=answer, answers=answers)
+            for name, module in (("then", then), ("now", now))
+        }
+        for i in range(warm_up + steps):
+            for name in ("then", "now") if i % 2 else ("now", "then"):
+                pair[name].step(measured=i >= warm_up)
+        for name, side in pair.items():
+            sides[name].append(side)
+    ratios = [statistics.median(n.seconds) / statistics.median(t.seconds) for t, n in zip(sides["then"], sides["now"])]
+    row = {
+        "workload": workload,
+        "batch": batch,
+        "ratio": statistics.median(ratios),
+        "ratios": (min(ratios), max(ratios)),
+    }
+    for name, runs in sides.items():
+        row[name] = 1e3 * statistics.median(statistics.median(side.seconds) for side in runs)
+        stages = runs[0].parts
+        row[f"{name}_stages"] = {
+            p: 1e3 * statistics.median(statistics.median(s.parts[p]) for s in runs) for p in stages
+        }
+    row["same_plans"] = all(t.plans == n.plans for t, n in zip(sides["then"], sides["now"]))
+    return row
+
+
+def table(rows: list[dict], against: str) -> str:
+    lines = [
+        f"Working tree against {against}, step by step in one process (ms a step: median of round medians).",
+        "",
+        "| workload | batch | then | now | now / then (rounds' range) | stages then -> now (ms) | same plans |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        stages = ", ".join(f"{p} {r['then_stages'][p]:.3f}->{r['now_stages'][p]:.3f}" for p in r["now_stages"])
+        low, high = r["ratios"]
+        lines.append(
+            f"| {r['workload']} | {r['batch']} | {r['then']:.3f} | {r['now']:.3f} | "
+            f"{r['ratio']:.3f} ({low:.3f}-{high:.3f}) | {stages} | {r['same_plans']} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", default="HEAD", help="the commit to compare the working tree with")
+    parser.add_argument(
+        "--cells", nargs="+", default=["recorded:16", "nothing:16", "recorded:64"], help="WORKLOAD:BATCH"
+    )
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--warm-up", type=int, default=16)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--answers", type=Path, default=None, help="recorded answers (host_time's --answers)")
+    args = parser.parse_args(argv)
+    try:
+        args.cells = [(w, int(b)) for w, b in (cell.split(":") for cell in args.cells)]
+    except ValueError:
+        parser.error(f"--cells takes WORKLOAD:BATCH, e.g. recorded:16; got {args.cells}")
+    unknown = {w for w, _ in args.cells} - set(now.WORKLOADS)
+    if unknown:
+        parser.error(f"--cells: unknown workloads {sorted(unknown)}; allowed: {list(now.WORKLOADS)}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    args.workloads = sorted({w for w, _ in args.cells})
+    answers = now.recorded_answers(args)
+    then = copy_of(args.against)
+    rows = [
+        compare(then, cell, rounds=args.rounds, steps=args.steps, warm_up=args.warm_up, k=args.k, answers=answers)
+        for cell in args.cells
+    ]
+    print(table(rows, args.against))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
