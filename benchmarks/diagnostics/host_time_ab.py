@@ -29,11 +29,14 @@ import time
 from io import BytesIO
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks import host_time as now
 
 RENAMED = {"vllm_selfspec": "vllm_selfspec_then", "benchmarks": "benchmarks_then"}
 REPOSITORY = Path(__file__).resolve().parents[2]
 LOOKUP_SECONDS_PER_ROW = 2e-6
+HISTORY_TOKENS = 65536  # (`host_time`'s default)
 
 
 def copy_of(rev: str):
@@ -61,13 +64,20 @@ class Side:
     as `host_time.run_ours` drives it."""
 
     def __init__(self, module, workload: str, batch: int, *, seed: int, k: int, answer: int, answers):
-        made = {"context": 1024, "answer": answer, "history": None, "seed": seed}
-        self.module, self.k = module, k
+        # (the history workload's shared pool, and an output joining it each step, as `host_time` has them)
+        self.earlier = module.earlier_outputs(HISTORY_TOKENS, 0) if workload == "history" else []
+        pool = np.concatenate([np.append(h, -1) for h in module.earlier_outputs(HISTORY_TOKENS, 0)])
+        made = {"context": 1024, "answer": answer, "history": pool, "seed": seed}
+        self.module, self.k, self.closed_batches = module, k, workload == "offline"
         self.runner = module.make_runner(workload, batch, made, answers, None)
-        self.pipeline = pipeline = module.DraftPipeline(module.make_options({}), k, module.FailSafe())
+        options = module.make_options({"lookup_history_unsalted": True} if self.earlier else {})
+        self.pipeline = pipeline = module.DraftPipeline(options, k, module.FailSafe())
         module.pin_step_costs(pipeline.controller.costs, **module.GPU_8B)
         gate = pipeline.controller.lookup_gate
         pipeline.controller.observe_lookup = lambda rows, _: gate.observe_lookup(rows, rows * LOOKUP_SECONDS_PER_ROW)
+        for output in self.earlier:
+            pipeline.lookup.history.add(None, output)
+        self.steps = 0
         self.drafts = [[] for _ in self.runner.rows]
         self.seconds: list[float] = []
         self.parts: dict[str, list[float]] = {}
@@ -90,7 +100,10 @@ class Side:
         for req_id, request in runner.ended:
             pipeline.forget(req_id, request)
         tenants = tuple((r.req_id, None) for r in output.scheduled_new_reqs)
-        pipeline.begin_step(module.SchedulerNote(tenants=tenants), runner.requests)
+        pipeline.begin_step(module.SchedulerNote(tenants=tenants, closed_batches=self.closed_batches), runner.requests)
+        if self.earlier:  # (another request ended: its output joins the pool)
+            pipeline.lookup.history.add(None, self.earlier[self.steps % len(self.earlier)])
+        self.steps += 1
         clock.lap("update_states")
         view = module.StepView(runner, output, sampled, pipeline.request_facts)
         self.drafts = pipeline.propose(view, clock, probed=(), warmed_up=True, draft=self._lookup_drafts)
