@@ -123,17 +123,21 @@ def test_at_capacity_the_per_row_rule_keeps_every_request_within_its_slack():
     assert throughput["batch_x"] > default["batch_x"] > 1
 
 
-def test_the_paired_comparison_runs_a_commit_beside_the_working_tree_and_sees_a_plan_change(monkeypatch, capsys):
+def test_the_paired_comparison_runs_a_commit_beside_the_working_tree_and_sees_a_plan_change(
+    monkeypatch, capsys, tmp_path
+):
     """`benchmarks.diagnostics.host_time_ab`: HEAD's copy, imported under other names, takes
     turns with the working tree over the same requests; the plans agree, and a copy that plans
     otherwise (other pinned step costs) is told apart."""
     from benchmarks.diagnostics import host_time_ab
 
     args = ["--against", "HEAD", "--cells", "lookup:4", "--rounds", "2", "--steps", "12", "--warm-up", "4"]
-    (row,) = host_time_ab.main(args)
+    (row,) = host_time_ab.main([*args, "--out", str(tmp_path)])
     assert row["same_plans"] and row["then"] > 0 and row["now"] > 0 and 0 < row["ratio"]
     assert set(row["now_stages"]) == set(row["then_stages"]) >= {"look_up", "plan"}
     assert "| lookup | 4 |" in capsys.readouterr().out
+    assert "| lookup | 4 |" in (tmp_path / "table.md").read_text()
+    assert {"environment.json", "results.csv"} <= {p.name for p in tmp_path.iterdir()}
     then = host_time_ab.copy_of("HEAD")
     monkeypatch.setattr(then, "GPU_8B", {**then.GPU_8B, "t_verify": 0.0, "t_row": 0.0})  # (drafts cost nothing)
     (row,) = host_time_ab.main(args)

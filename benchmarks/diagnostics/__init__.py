@@ -6,6 +6,7 @@ in step with this folder; diagnostics no doc cites any more are in git history):
 
 - `first_token_wait`: where a first token waits under load, the step in progress or its own.
 - `first_wave`: the first tokens of a wave of prompts sent at once, plain against self-admg.
+- `host_time_ab`: two checkouts' proposer host time, step by step in one process, and their plans.
 - `lookup_bound`: what one lookup costs on hostile contexts against ordinary ones.
 - `lookup_replay`: self-admg's lookup drafts against vLLM's `suffix` on served requests.
 - `prefill_steps`: each server's prefill steps against plain's, from the step logs.

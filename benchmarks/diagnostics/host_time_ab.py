@@ -19,7 +19,10 @@ faster), each stage's medians, and whether every step planned the same. Step cos
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
+import json
+import os
 import re
 import statistics
 import subprocess
@@ -145,9 +148,15 @@ def compare(then, cell: tuple[str, int], *, rounds: int, steps: int, warm_up: in
     return row
 
 
-def table(rows: list[dict], against: str) -> str:
+def table(rows: list[dict], args) -> str:
+    from benchmarks.run import cpu_model
+
     lines = [
-        f"Working tree against {against}, step by step in one process (ms a step: median of round medians).",
+        f"# The working tree's proposer against {args.against}'s, step by step ({cpu_model()}, {os.cpu_count()} CPUs)",
+        "",
+        f"K = {args.k}, {args.steps} steps measured after {args.warm_up}, {args.rounds} rounds; ms a step, the"
+        " median of each round's median step; step costs pinned to an 8B model's H100 step. `python -m"
+        " benchmarks.diagnostics.host_time_ab " + " ".join(sys.argv[1:]) + "`",
         "",
         "| workload | batch | then | now | now / then (rounds' range) | stages then -> now (ms) | same plans |",
         "|---|---|---|---|---|---|---|",
@@ -173,6 +182,7 @@ def parse_args(argv=None):
     parser.add_argument("--warm-up", type=int, default=16)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--answers", type=Path, default=None, help="recorded answers (host_time's --answers)")
+    parser.add_argument("--out", type=Path, default=None, help="a folder for table.md, results.csv, environment.json")
     args = parser.parse_args(argv)
     try:
         args.cells = [(w, int(b)) for w, b in (cell.split(":") for cell in args.cells)]
@@ -193,8 +203,30 @@ def main(argv=None) -> list[dict]:
         compare(then, cell, rounds=args.rounds, steps=args.steps, warm_up=args.warm_up, k=args.k, answers=answers)
         for cell in args.cells
     ]
-    print(table(rows, args.against))
+    text = table(rows, args)
+    print(text)
+    if args.out is not None:
+        write(rows, text, args)
     return rows
+
+
+def write(rows: list[dict], text: str, args) -> None:
+    """table.md, results.csv (a cell a row, each stage's medians) and environment.json to --out."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(text + "\n")
+    flat = []
+    for row in rows:
+        low, high = row["ratios"]
+        cell = {k: row[k] for k in ("workload", "batch", "then", "now", "ratio", "same_plans")}
+        cell.update(ratio_low=low, ratio_high=high)
+        for name in ("then", "now"):
+            cell.update({f"{name}_{part}": ms for part, ms in row[f"{name}_stages"].items()})
+        flat.append(cell)
+    with open(args.out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(flat[0]))
+        writer.writeheader()
+        writer.writerows(flat)
+    (args.out / "environment.json").write_text(json.dumps(now.environment(args), indent=2, default=str))
 
 
 if __name__ == "__main__":
