@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-selfspec project
-"""The host-time benchmark's recorded workload: answers recorded from a model
-(`benchmarks.served_answers`) replayed as a server at capacity runs them."""
+"""The host-time benchmark: its recorded workload (answers recorded from a model,
+`benchmarks.served_answers`, replayed as a server at capacity runs them), what its replays show
+of the pipeline, and the paired comparison of two checkouts (`benchmarks.diagnostics.host_time_ab`)."""
 
 from __future__ import annotations
 
@@ -138,7 +139,32 @@ def test_the_paired_comparison_runs_a_commit_beside_the_working_tree_and_sees_a_
     assert "| lookup | 4 |" in capsys.readouterr().out
     assert "| lookup | 4 |" in (tmp_path / "table.md").read_text()
     assert {"environment.json", "results.csv"} <= {p.name for p in tmp_path.iterdir()}
-    then = host_time_ab.copy_of("HEAD")
+    then = host_time_ab.copy_of(host_time_ab.resolved("HEAD"))
     monkeypatch.setattr(then, "GPU_8B", {**then.GPU_8B, "t_verify": 0.0, "t_row": 0.0})  # (drafts cost nothing)
     (row,) = host_time_ab.main(args)
     assert not row["same_plans"]
+
+
+def test_a_batch_where_some_requests_sent_a_prediction_plans_as_when_every_row_was_asked(monkeypatch):
+    """Predictions are followed only for rows whose request sent one (`RequestFacts.predicted`);
+    in a batch where half did, every step plans as when every drafting row was asked for its
+    prediction, and the predictions are what drafts those rows (without them it plans otherwise)."""
+    import dataclasses
+
+    from benchmarks.host_time import MockedRunner, make_rows
+    from vllm_selfspec.vllm_integration.runner_state import RequestFacts
+
+    def replay(keep_predictions: bool) -> list:
+        rows = make_rows("prediction", 8, context=256, answer=200, history=None, seed=3)
+        for row in rows[1::2] if keep_predictions else rows:
+            row.prediction = None
+        plans: list = []
+        run_ours(MockedRunner(rows, 200), k=8, steps=20, warm_up=0, options={}, history=None, plans=plans,
+                 lookup_seconds_per_row=5e-6)  # fmt: skip
+        return plans
+
+    filtered = replay(keep_predictions=True)
+    assert replay(keep_predictions=False) != filtered
+    read = RequestFacts.of
+    monkeypatch.setattr(RequestFacts, "of", staticmethod(lambda p: dataclasses.replace(read(p), predicted=True)))
+    assert replay(keep_predictions=True) == filtered

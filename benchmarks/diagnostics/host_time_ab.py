@@ -24,10 +24,12 @@ import importlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from io import BytesIO
 from pathlib import Path
@@ -37,27 +39,55 @@ import numpy as np
 from benchmarks import host_time as now
 
 RENAMED = {"vllm_selfspec": "vllm_selfspec_then", "benchmarks": "benchmarks_then"}
+# What the copy needs: the package, and of the lab the benchmark alone (its other imports are
+# the working tree's, made only where it writes a table, which the copy never does).
+ARCHIVED = ("vllm_selfspec", "benchmarks/__init__.py", "benchmarks/host_time.py")
+COPIES_KEPT = 4  # commits' copies kept in the cache, the most recently made
 REPOSITORY = Path(__file__).resolve().parents[2]
 LOOKUP_SECONDS_PER_ROW = 2e-6
 HISTORY_TOKENS = 65536  # (`host_time`'s default)
 
 
-def copy_of(rev: str):
-    """`benchmarks.host_time` of commit `rev`, with its `vllm_selfspec`, imported under other
-    names from a copy in the lab's cache (kept: numba's compiled kernels are cached beside it)."""
+def resolved(rev: str) -> str:
+    """The commit `rev` names (an error naming --against if none)."""
+    found = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=REPOSITORY, capture_output=True, text=True
+    )
+    if found.returncode:
+        raise SystemExit(f"--against: {rev!r} names no commit of {REPOSITORY}")
+    return found.stdout.strip()
+
+
+def copy_of(commit: str):
+    """`benchmarks.host_time` of `commit` (a full hash), with its `vllm_selfspec`, imported under
+    other names from a copy in the lab's cache (kept: numba's compiled kernels are cached beside
+    it). One commit a process: the names are taken."""
     from benchmarks.assets import cache_root
 
-    git = lambda *args: subprocess.run(["git", *args], cwd=REPOSITORY, capture_output=True, check=True).stdout  # noqa: E731
-    into = cache_root() / "host-time-ab" / git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
-    if not (into / "benchmarks_then").exists():
-        into.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=BytesIO(git("archive", rev, *RENAMED))) as tar:
-            tar.extractall(into, filter="data")
+    imported = sys.modules.get("benchmarks_then.host_time")
+    if imported is not None:
+        if commit not in imported.__file__:
+            raise RuntimeError(f"this process compares with {imported.__file__} already, not {commit}")
+        return imported
+    copies = cache_root() / "host-time-ab"
+    into = copies / commit
+    if not into.exists():  # (made aside, then moved into place whole: a copy is complete or absent)
+        archive = subprocess.run(["git", "archive", commit, *ARCHIVED], cwd=REPOSITORY, capture_output=True, check=True)
+        copies.mkdir(parents=True, exist_ok=True)
+        making = Path(tempfile.mkdtemp(dir=copies))
+        with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+            tar.extractall(making, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         names = re.compile(r"\b(" + "|".join(RENAMED) + r")\b")
         for package, renamed in RENAMED.items():
-            for path in (into / package).rglob("*.py"):
+            for path in (making / package).rglob("*.py"):
                 path.write_text(names.sub(lambda m: RENAMED[m[1]], path.read_text()))
-            (into / package).rename(into / renamed)  # (last: a copy half made is made again)
+            (making / package).rename(making / renamed)
+        try:
+            making.rename(into)
+        except OSError:  # (another run made it first)
+            shutil.rmtree(making, ignore_errors=True)
+    for old in sorted((p for p in copies.iterdir() if p != into), key=lambda p: p.stat().st_mtime)[:-COPIES_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
     sys.path.insert(0, str(into))
     return importlib.import_module("benchmarks_then.host_time")
 
@@ -140,9 +170,9 @@ def compare(then, cell: tuple[str, int], *, rounds: int, steps: int, warm_up: in
     }
     for name, runs in sides.items():
         row[name] = 1e3 * statistics.median(statistics.median(side.seconds) for side in runs)
-        stages = runs[0].parts
+        stages = dict.fromkeys(p for side in runs for p in side.parts)  # (a round may lack one)
         row[f"{name}_stages"] = {
-            p: 1e3 * statistics.median(statistics.median(s.parts[p]) for s in runs) for p in stages
+            p: 1e3 * statistics.median(statistics.median(s.parts[p]) for s in runs if p in s.parts) for p in stages
         }
     row["same_plans"] = all(t.plans == n.plans for t, n in zip(sides["then"], sides["now"]))
     return row
@@ -152,7 +182,8 @@ def table(rows: list[dict], args) -> str:
     from benchmarks.run import cpu_model
 
     lines = [
-        f"# The working tree's proposer against {args.against}'s, step by step ({cpu_model()}, {os.cpu_count()} CPUs)",
+        f"# The working tree's proposer against {args.against_commit[:12]}'s ({args.against}), step by step"
+        f" ({cpu_model()}, {os.cpu_count()} CPUs)",
         "",
         f"K = {args.k}, {args.steps} steps measured after {args.warm_up}, {args.rounds} rounds; ms a step, the"
         " median of each round's median step; step costs pinned to an 8B model's H100 step. `python -m"
@@ -161,8 +192,10 @@ def table(rows: list[dict], args) -> str:
         "| workload | batch | then | now | now / then (rounds' range) | stages then -> now (ms) | same plans |",
         "|---|---|---|---|---|---|---|",
     ]
+    ms = lambda stages, p: f"{stages[p]:.3f}" if p in stages else "none"  # noqa: E731 (a stage one side lacks)
     for r in rows:
-        stages = ", ".join(f"{p} {r['then_stages'][p]:.3f}->{r['now_stages'][p]:.3f}" for p in r["now_stages"])
+        names = dict.fromkeys([*r["then_stages"], *r["now_stages"]])
+        stages = ", ".join(f"{p} {ms(r['then_stages'], p)}->{ms(r['now_stages'], p)}" for p in names)
         low, high = r["ratios"]
         lines.append(
             f"| {r['workload']} | {r['batch']} | {r['then']:.3f} | {r['now']:.3f} | "
@@ -198,7 +231,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     args.workloads = sorted({w for w, _ in args.cells})
     answers = now.recorded_answers(args)
-    then = copy_of(args.against)
+    args.against_commit = resolved(args.against)
+    then = copy_of(args.against_commit)
     rows = [
         compare(then, cell, rounds=args.rounds, steps=args.steps, warm_up=args.warm_up, k=args.k, answers=answers)
         for cell in args.cells
@@ -223,7 +257,7 @@ def write(rows: list[dict], text: str, args) -> None:
             cell.update({f"{name}_{part}": ms for part, ms in row[f"{name}_stages"].items()})
         flat.append(cell)
     with open(args.out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(flat[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for cell in flat for k in cell)))
         writer.writeheader()
         writer.writerows(flat)
     (args.out / "environment.json").write_text(json.dumps(now.environment(args), indent=2, default=str))

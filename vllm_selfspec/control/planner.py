@@ -497,8 +497,7 @@ def make_retry(
     than every row allows (`room()`: what the per-row rule leaves; None: no rule). `cost`: each
     row's seconds a verified token. Whether it could pay is asked first: once a retry is due it
     is asked every step until one is made, and where self-drafting does not pay it never is."""
-    has_mask = offers.has_mask
-    retry_rows = ({i for i in self_rows if has_mask[i]} if np.count_nonzero(has_mask) else set()) or {self_rows[0]}
+    retry_rows = {i for i in self_rows if offers.has_mask[i]} or {self_rows[0]}
     if not retry_pays(costs, offers, retry_rows, choice.best_self_saving * self_budget / (self_budget + 1)):
         return False
     seconds = retry_step_seconds(costs, offers, cost, step, retry_rows)

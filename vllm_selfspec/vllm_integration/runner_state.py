@@ -317,7 +317,7 @@ def draft_budgets(tokens_left, may_draft, k):
     budgets = np.zeros(len(tokens_left), dtype=np.int64)
     for r in range(len(tokens_left)):
         if may_draft[r]:
-            budgets[r] = max(0, int(min(tokens_left[r] - 1, k)))
+            budgets[r] = int(max(0.0, min(tokens_left[r] - 1, k)))  # (clamped as floats, then cast)
     return budgets
 
 
