@@ -6,7 +6,7 @@ model-free stages (`benchmarks.host_time`), step by step in one process.
 Runs of `benchmarks.host_time` one after the other differ by up to 2x on a 2-core VM (a process
 lands fast or slow, and the machine's speed comes in bursts), far more than most changes move
 it. Here the working tree's pipeline and an earlier commit's (`--against`, a copy of its
-`vllm_selfspec` and `benchmarks` under other names) take turns, step by step, each over its own
+`vllm_selfspec` and `benchmarks/host_time.py` under other names) take turns, step by step, each over its own
 copy of the same requests, which goes first alternating: each pair of steps meets the same
 machine. Per cell, each round's median step of each, their ratio (below 1: the working tree is
 faster), each stage's medians, and whether every step planned the same. Step costs pinned as in
@@ -94,14 +94,16 @@ def copy_of(commit: str):
 
 class Side:
     """One checkout's pipeline over its own copy of a cell's requests, driven a step at a time
-    as `host_time.run_ours` drives it."""
+    as `host_time.run_ours` drives it. (Its loop, written again here: the two sides take turns a
+    step at a time, and an earlier commit's `host_time` has only the whole run.)"""
 
     def __init__(self, module, workload: str, batch: int, *, seed: int, k: int, answer: int, answers):
         # (the history workload's shared pool, and an output joining it each step, as `host_time` has them)
-        self.earlier = module.earlier_outputs(HISTORY_TOKENS, 0) if workload == "history" else []
-        pool = np.concatenate([np.append(h, -1) for h in module.earlier_outputs(HISTORY_TOKENS, 0)])
+        earlier = module.earlier_outputs(HISTORY_TOKENS, 0)
+        self.earlier = earlier if workload == "history" else []
+        pool = np.concatenate([np.append(h, -1) for h in earlier])
         made = {"context": 1024, "answer": answer, "history": pool, "seed": seed}
-        self.module, self.k, self.closed_batches = module, k, workload == "offline"
+        self.module, self.closed_batches = module, workload == "offline"
         self.runner = module.make_runner(workload, batch, made, answers, None)
         options = module.make_options({"lookup_history_unsalted": True} if self.earlier else {})
         self.pipeline = pipeline = module.DraftPipeline(options, k, module.FailSafe())
