@@ -84,8 +84,8 @@ def test_the_compiled_lookup_drafts_what_the_rule_in_numpy_drafts():
 
 def test_the_compiled_lookup_follows_many_occurrences_as_the_rule_in_numpy_does():
     """Contexts and corpora where the last token occurs 33 to 256 times (up to the followed
-    cap, which the numpy rule does not apply): the compiled lookup sorts its keys another way
-    past 32 of them, and packs each occurrence's place into its key's low bits."""
+    cap, which the numpy rule does not apply): the compiled lookup counts their continuations
+    past 32 of them (`lookup._tally`), and packs each occurrence's place into its key's low bits."""
     from vllm_selfspec.sources.lookup import MAX_OCCURRENCES_FOLLOWED
 
     rng = np.random.default_rng(3)
@@ -113,6 +113,27 @@ def test_the_compiled_lookup_follows_many_occurrences_as_the_rule_in_numpy_does(
             many += 1
             drafts += len(got) > 0
     assert many > 100 and drafts > 50, (many, drafts)
+
+
+def test_the_counted_most_frequent_continuation_breaks_ties_as_the_rule_in_numpy_does():
+    """Past 32 occurrences followed, the compiled lookup counts their next tokens in a table
+    (`lookup._tally`) instead of sorting them. Here every occurrence of the last token matches
+    one token alone (a distinct token before each), so the draft is that token's most frequent
+    continuation: two continuations in equal numbers tie, and the one that occurred last wins."""
+    from vllm_selfspec.sources.lookup import MOST_SORTED
+
+    rng = np.random.default_rng(11)
+    for case in range(200):
+        half = int(rng.integers(MOST_SORTED // 2 + 1, 100))
+        followers = rng.permutation([2] * half + [3] * (half + (case % 3 == 0)))  # (a third without a tie)
+        before = rng.permutation(np.arange(1000, 1000 + len(followers) + 1))  # (distinct: each match is 1 token)
+        triples = np.stack([before[:-1], np.ones_like(followers), followers], axis=1)
+        context = np.append(triples.ravel(), [before[-1], 1])
+        got = suffix_draft(context, 8, None, 24, 0.0)
+        want = numpy_suffix_draft(context.astype(np.int64), 8, None, 24, 0.0)
+        assert (got.tokens.tolist(), got.probs, got.match) == (want.tokens.tolist(), want.probs, want.match)
+        winner = followers[-1] if case % 3 else 3
+        assert (got.tokens.tolist(), got.match) == ([winner], 1)
 
 
 def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():

@@ -83,7 +83,8 @@ def suffix_draft(
         tokens, probs, match = _suffix_draft(context, corpus, *args)
     else:
         tokens, probs, match = _indexed_suffix_draft(context, corpus, index.searched(), *args)
-    return LookupDraft(tokens, tuple(probs.tolist()), match) if len(tokens) else NO_DRAFT
+    # (a view of the lookup's scratch: copied, so that a draft kept holds its tokens alone)
+    return LookupDraft(tokens.copy(), tuple(probs.tolist()), match) if len(tokens) else NO_DRAFT
 
 
 @dataclass(frozen=True)
@@ -180,19 +181,19 @@ def _count_in(corpus, start, end, token):
 def _recent_occurrences(corpus, limit, token, cap):
     """Positions before `limit` holding `token`, the most recent `cap` of them, in corpus order."""
     limit = min(limit, len(corpus))  # (compiled code reads past an array's end unchecked)
-    found = np.empty(max(0, min(cap, limit)), dtype=np.int64)
+    found = np.empty(max(0, min(cap, limit)), dtype=np.int64)  # (filled from its end: corpus order)
     count, end = 0, limit
     while end > 0 and count < cap:
         start = max(0, end - SCAN_BLOCK)
         hits, position = _count_in(corpus, start, end, token), end - 1
         while hits and count < cap:
             if corpus[position] == token:
-                found[count] = position
                 count += 1
+                found[len(found) - count] = position
                 hits -= 1
             position -= 1
         end = start
-    return found[:count][::-1].copy()
+    return found[len(found) - count :]
 
 
 @compiled
@@ -280,10 +281,7 @@ def _indexed_suffix_draft(context, corpus, index, max_tokens, max_match, min_pro
 
 @compiled
 def _sort_small(keys, n):
-    """keys[:n] sorted in place: by insertion while few (the usual case), else numba's sort."""
-    if n > 32:
-        keys[:n].sort()
-        return
+    """keys[:n] sorted in place, by insertion (few: up to MOST_SORTED)."""
     for i in range(1, n):
         key, j = keys[i], i - 1
         while j >= 0 and keys[j] > key:
@@ -292,11 +290,49 @@ def _sort_small(keys, n):
         keys[j + 1] = key
 
 
+# Up to this many next tokens, the most frequent is found by sorting them (fast while few: the
+# usual case); past it, by counting them in a small hash table (`_tally`), whose time grows with
+# the tokens alone, where a sort's grows faster: a token that repeats through its context
+# (a list's separator, a table's border) has its continuations counted at every match length.
+MOST_SORTED = 32
+TALLY_SLOTS = 2 * MAX_OCCURRENCES_FOLLOWED  # a power of two, at least twice the tokens counted
+assert TALLY_SLOTS & (TALLY_SLOTS - 1) == 0
+
+
 @compiled
-def _most_frequent(keys, kept):
-    """(token, occurrences) of the most frequent next token in keys[:kept] (sorted in place);
-    among equals, the one whose latest occurrence is the most recent (a run's last key is its
-    latest occurrence)."""
+def _tally(keys, kept, tally):
+    """`_most_frequent` by counting: each next token's count and latest place in an open-addressed
+    table (`tally`: rows token, count, latest place, slots used; its token row -1 where free,
+    and left so)."""
+    mask, used = tally.shape[1] - 1, 0
+    for r in range(kept):
+        token, place = keys[r] >> PLACE_BITS, keys[r] & PLACE_MASK
+        slot = (token ^ (token >> 9)) & mask
+        while tally[0, slot] != -1 and tally[0, slot] != token:
+            slot = (slot + 1) & mask
+        if tally[0, slot] == -1:
+            tally[0, slot], tally[1, slot] = token, 0
+            tally[3, used] = slot
+            used += 1
+        tally[1, slot] += 1
+        tally[2, slot] = place  # (places rise with r: the latest)
+    pick, pick_count, pick_last = -1, 0, -1
+    for u in range(used):
+        slot = tally[3, u]
+        count, last = tally[1, slot], tally[2, slot]
+        if count > pick_count or (count == pick_count and last > pick_last):
+            pick, pick_count, pick_last = tally[0, slot], count, last
+        tally[0, slot] = -1
+    return pick, pick_count
+
+
+@compiled
+def _most_frequent(keys, kept, tally):
+    """(token, occurrences) of the most frequent next token in keys[:kept] (sorted in place if
+    few; else counted in `tally`); among equals, the one whose latest occurrence is the most
+    recent (a run's last key is its latest occurrence)."""
+    if kept > MOST_SORTED:
+        return _tally(keys, kept, tally)
     _sort_small(keys, kept)
     pick, pick_count, pick_last = -1, 0, -1
     run = 0
@@ -311,10 +347,10 @@ def _most_frequent(keys, kept):
 
 
 @compiled
-def _follow(occurrences, following, steps, total, corpus, min_prob, keys, tokens, probs):
+def _follow(occurrences, following, steps, total, corpus, min_prob, keys, tally, tokens, probs):
     """Follow occurrences[:following] (corpus order) token by token, up to `steps` tokens, into
     `tokens` and `probs`: each the most frequent next token, while its share of `total` is at
-    least `min_prob`; how many were taken. `occurrences` and `keys` are scratch."""
+    least `min_prob`; how many were taken. `occurrences`, `keys` and `tally` are scratch."""
     end = len(corpus)  # (continuations stop at the corpus's end)
     taken = 0
     for j in range(steps):
@@ -326,7 +362,7 @@ def _follow(occurrences, following, steps, total, corpus, min_prob, keys, tokens
                 kept += 1
         if kept == 0:
             break
-        pick, pick_count = _most_frequent(keys, kept)
+        pick, pick_count = _most_frequent(keys, kept, tally)
         if pick_count / total < min_prob:
             break
         tokens[j], probs[j] = pick, pick_count / total
@@ -344,34 +380,42 @@ def _follow(occurrences, following, steps, total, corpus, min_prob, keys, tokens
 def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
     """The draft from `ends`, the most recent occurrences of the context's last token, in
     corpus order (the rule's matching and following). Every row looks up every step: the
-    following works in a few scratch arrays made once a call, not in arrays made per token."""
-    no_draft = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0)
+    following works in scratch made once a call, not in arrays made per token."""
     n = len(context)
     longest = min(max_match, n)
     if len(ends) == 0 or longest < 1 or max_tokens < 1:
-        return no_draft
-    # lengths[i]: how many of the context's last tokens match the corpus, ending at ends[i].
-    lengths = np.ones(len(ends), dtype=np.int64)
-    for i in range(len(ends)):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0
+    # Scratch, cut from one buffer of integers and one of floats (a typical row's lookup costs
+    # less than the dozen allocations it would otherwise make), per occurrence scanned: its match
+    # length, and while followed, its position and its next token as a sort key, the token's
+    # bits above its place among those followed (shifts: a division per key cost more than the
+    # rest of the lookup), so that sorted keys group the occurrences by next token, the latest
+    # last. The keys are distinct, so any sort orders them alike. (A token id must be below
+    # 2**55 to fit: vocabularies are far smaller.) Then the occurrences by match length, the
+    # draft followed and the best so far, and the `_tally` table if many are followed.
+    scanned, steps_most = len(ends), min(max_tokens, longest)
+    tally_slots = TALLY_SLOTS if min(scanned, MAX_OCCURRENCES_FOLLOWED) > MOST_SORTED else 1
+    ints = np.empty(3 * scanned + longest + 1 + 2 * steps_most + 4 * tally_slots, dtype=np.int64)
+    floats = np.empty(2 * steps_most)
+    lengths, occurrences, keys = ints[:scanned], ints[scanned : 2 * scanned], ints[2 * scanned : 3 * scanned]
+    cut = 3 * scanned
+    at_length, cut = ints[cut : cut + longest + 1], cut + longest + 1
+    tokens, best_tokens = ints[cut : cut + steps_most], ints[cut + steps_most : cut + 2 * steps_most]
+    tally = ints[cut + 2 * steps_most :].reshape((4, tally_slots))
+    tally[0] = -1
+    probs, best_probs = floats[:steps_most], floats[steps_most:]
+    at_length[:] = 0
+    for i in range(scanned):
         k = 1
         while k < longest and ends[i] - k >= 0 and corpus[ends[i] - k] == context[n - 1 - k]:
             k += 1
         lengths[i] = k
-    if len(ends) > MAX_OCCURRENCES_FOLLOWED:
+    if scanned > MAX_OCCURRENCES_FOLLOWED:
         ends, lengths = _longest_matches(ends, lengths, MAX_OCCURRENCES_FOLLOWED)
     counted = len(ends)
-    at_length = np.zeros(longest + 1, dtype=np.int64)  # occurrences by match length
+    occurrences, keys = occurrences[:counted], keys[:counted]
     for i in range(counted):
-        at_length[lengths[i]] += 1
-    # Scratch: the occurrences followed so far (corpus order), and each one's next token as a
-    # sort key, the token's bits above its place among them (shifts: a division per key cost
-    # more than the rest of the lookup), so that sorted keys group the occurrences by next
-    # token, the latest last. The keys are distinct, so any sort orders them alike. (A token id
-    # must be below 2**55 to fit: vocabularies are far smaller.)
-    occurrences, keys = np.empty(counted, dtype=np.int64), np.empty(counted, dtype=np.int64)
-    steps_most = min(max_tokens, longest)
-    tokens, probs = np.zeros(steps_most, dtype=np.int64), np.zeros(steps_most, dtype=np.float64)
-    best_tokens, best_probs = np.zeros(steps_most, dtype=np.int64), np.zeros(steps_most, dtype=np.float64)
+        at_length[lengths[i]] += 1  # (occurrences by match length)
     best_taken, best_match, best_score = 0, 0, 0.0
     # The occurrences change only at the distinct lengths, and the longest m of a run allows the
     # longest draft with the same probabilities, so only those m are tried. Longest first, so
@@ -397,7 +441,7 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
                 occurrences[followed] = ends[i]
                 followed += 1
         total = followed + 1  # the current occurrence counts: it has no continuation yet
-        taken = _follow(occurrences, followed, steps, total, corpus, min_prob, keys, tokens, probs)
+        taken = _follow(occurrences, followed, steps, total, corpus, min_prob, keys, tally, tokens, probs)
         if taken:
             score = 0.0
             for j in range(taken):
@@ -405,7 +449,7 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
             if score > best_score:
                 best_tokens[:taken], best_probs[:taken] = tokens[:taken], probs[:taken]
                 best_taken, best_match, best_score = taken, m, score
-    return best_tokens[:best_taken].copy(), best_probs[:best_taken].copy(), best_match
+    return best_tokens[:best_taken], best_probs[:best_taken], best_match
 
 
 @compiled
