@@ -478,26 +478,31 @@ def _own_or_pool_draft(context, pool, pool_index, pooled, max_tokens, max_match,
 
 @compiled
 def _context_drafts(
-    token_ids, rows, max_match, min_prob, at, width, tokens, probs, lengths, match, sources, has_probs, source,
-    pool, pool_index, pooled, pool_source,
+    token_ids, rows, context_lengths, budgets, full_budgets, max_match, min_prob, at,
+    tokens, probs, lengths, match, sources, has_probs, source, pool, pool_index, pooled, pool_source,
 ):  # fmt: skip
     """`lookup_draft` of each row's own context, and of one `pool` of earlier outputs if
-    `pooled` (the rows' tenant's): `rows` holds, per row, its row of `token_ids`, its context's
+    `pooled` (the rows' tenant's): per row, its row of `token_ids` (`rows`), its context's
     length, its budget and its full budget; a draft that copies (its match is `max_match` long)
     is looked up again with the full budget. Each draft is written over the draft at `at[r]` of
     `tokens`, `probs`, `lengths`, `match`, `sources`, `has_probs` (a step's drafts,
     `step_drafts.StepDrafts`) where it matches more, or there is none; past a draft, zeros up to
-    `width`. Every index is checked before anything is read or written: the kernel reads vLLM's
-    arrays in place."""
-    for r in range(len(rows)):
-        row, length, budget, full_budget = rows[r]
-        if not 0 <= at[r] < len(lengths) or width > tokens.shape[1] or not 0 <= row < token_ids.shape[0]:
+    the largest full budget. Every index is checked before anything is read or written: the
+    kernel reads vLLM's arrays in place."""
+    n_rows = len(rows)
+    if not (len(context_lengths) == len(budgets) == len(full_budgets) == len(at) == n_rows):
+        raise IndexError("the rows' inputs differ in length")
+    width = 1
+    for r in range(n_rows):
+        width = max(width, full_budgets[r])
+    for r in range(n_rows):
+        if not 0 <= at[r] < len(lengths) or width > tokens.shape[1] or not 0 <= rows[r] < token_ids.shape[0]:
             raise IndexError("a draft row outside the step's drafts, or a row outside the batch")
-        if max(budget, full_budget) > width:
+        if budgets[r] > width:
             raise IndexError("a budget past the drafts' width")
     args = (pool, pool_index, pooled)
-    for r in range(len(rows)):
-        row, length, budget, full_budget = rows[r]
+    for r in range(n_rows):
+        row, length, budget, full_budget = rows[r], context_lengths[r], budgets[r], full_budgets[r]
         context = token_ids[row, : max(0, min(length, token_ids.shape[1]))]
         drafted, shares, found, from_pool = _own_or_pool_draft(context, *args, budget, max_match, min_prob)
         if budget < full_budget and found >= max_match:
@@ -510,6 +515,8 @@ def _context_drafts(
         lengths[i], match[i], has_probs[i] = n, found, True
         sources[i] = pool_source if from_pool else source
 
+
+_as_ints = functools.partial(np.asarray, dtype=np.int64)  # (no copy of what is one already)
 
 # `_context_drafts`' pool arguments where the rows have none (one signature with and without)
 WITHOUT_POOL = (np.full(1, SEPARATOR, dtype=np.int64), TokenIndex.empty().searched(), False)
@@ -550,13 +557,11 @@ def context_drafts(
     returned.
     `pool`: the rows' tenant's earlier outputs, whose draft each row takes where it scores higher
     than its own context's (`lookup_draft`), from `pool_source`."""
-    full_budgets = budgets if full_budgets is None else full_budgets
-    inputs = np.empty((len(rows), 4), dtype=np.int64)  # (columns assigned: a fraction of np.array's cost)
-    inputs[:, 0], inputs[:, 1], inputs[:, 2], inputs[:, 3] = rows, lengths, budgets, full_budgets
-    width = max(int(inputs[:, 3].max(initial=0)), 1)
+    rows, lengths, budgets = _as_ints(rows), _as_ints(lengths), _as_ints(budgets)
+    full_budgets = budgets if full_budgets is None else _as_ints(full_budgets)
     returned = into is None
     if returned:  # (drafts of their own, a row each)
-        n = len(rows)
+        n, width = len(rows), max(int(full_budgets.max(initial=0)), 1)
         into = SimpleNamespace(
             tokens=np.zeros((n, width), dtype=np.int64),
             probs=np.zeros((n, width)),
@@ -567,7 +572,7 @@ def context_drafts(
         )
         at = np.arange(n)
     _context_drafts(
-        token_ids, inputs, int(max_match), float(min_prob), np.asarray(at, dtype=np.int64), width,
+        token_ids, rows, lengths, budgets, full_budgets, int(max_match), float(min_prob), _as_ints(at),
         into.tokens, into.probs, into.lengths, into.match, into.sources, into.has_probs, int(source),
         *((pool.tokens, pool.index.searched(), True) if pool is not None else WITHOUT_POOL), int(pool_source),
     )  # fmt: skip

@@ -103,11 +103,12 @@ class RowLookup:
         )
         lookup_seconds, self.rows_looked_up = 0.0, 0
         if self.options.lookup and look_up:
-            skipped = stands_alone
-            if failed:  # (a row whose prediction raised is not looked up)
-                skipped = skipped.copy()
-                skipped[[i for i, _, _ in failed]] = True
-            looked_up = [i for i in drafting if not skipped[i]]
+            looked_up = drafting
+            if failed or np.count_nonzero(stands_alone):  # (a row whose prediction raised is not looked up)
+                skipped = stands_alone.tolist()
+                for i, _, _ in failed:
+                    skipped[i] = True
+                looked_up = [i for i in drafting if not skipped[i]]
             self.rows_looked_up = len(looked_up)
             for pool, at in self._by_pool(step, rows, looked_up, failed):
                 looked_up_at = time.perf_counter()
@@ -152,8 +153,8 @@ class RowLookup:
         # it saves; a history's lookup costs less in one call even for one row)
         if len(at) > 1 or pool is not None:
             try:
-                indices = rows.index[at]
-                full_budgets = np.array(full, dtype=np.int64)
+                at_rows = np.array(at, dtype=np.int64)
+                indices, full_budgets = rows.index[at_rows], np.array(full, dtype=np.int64)
                 context_drafts(
                     step.token_ids,
                     indices,
@@ -162,7 +163,7 @@ class RowLookup:
                     full_budgets=full_budgets,
                     max_match=self.options.lookup_max_match,
                     into=drafts,
-                    at=at,
+                    at=at_rows,
                     source=SOURCE_INDEX[DraftSource.LOOKUP],
                     pool=pool,
                     pool_source=SOURCE_INDEX[DraftSource.HISTORY],
