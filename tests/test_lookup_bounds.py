@@ -8,6 +8,7 @@ from vllm_selfspec.sources.lookup import (
     MAX_OCCURRENCES_FOLLOWED,
     MAX_OCCURRENCES_SCANNED,
     SCAN_BLOCK,
+    _longest_matches,
     _recent_occurrences,
     suffix_draft,
 )
@@ -48,6 +49,24 @@ def test_the_followed_occurrences_are_the_longest_matches_not_the_most_recent():
     matches: the far match, older than every short one, is still followed."""
     draft = suffix_draft(far_match_context(MAX_OCCURRENCES_FOLLOWED), max_tokens=len(FAR_NEXT))
     assert (draft.tokens.tolist(), draft.match) == (FAR_NEXT, len(FAR))
+
+
+def test_the_longest_matches_are_chosen_as_a_sort_would_choose_them():
+    """`_longest_matches` counts the occurrences by match length instead of sorting them: the
+    same `cap` occurrences as a sort by length, the most recent first among equals, in corpus
+    order, whether few lengths tie at the cut or every occurrence has the same length."""
+    rng = np.random.default_rng(5)
+    for case in range(2000):
+        n = int(rng.integers(2, 600))
+        cap = int(rng.integers(1, n))
+        ends = np.sort(rng.choice(10 * n, n, replace=False)).astype(np.int64)
+        lengths = rng.integers(1, int(rng.integers(2, 30)), n).astype(np.int64)
+        if case % 4 == 0:
+            lengths[:] = lengths[0]  # (one repeated token: every match as long)
+        by_sort = sorted(range(n), key=lambda i: (-lengths[i], -i))[:cap]
+        want = sorted(by_sort)
+        got_ends, got_lengths = _longest_matches(ends, lengths, cap)
+        assert got_ends.tolist() == ends[want].tolist() and got_lengths.tolist() == lengths[want].tolist()
 
 
 def test_recent_occurrences_scans_back_only_as_far_as_the_cap():

@@ -198,12 +198,33 @@ def _recent_occurrences(corpus, limit, token, cap):
 
 @compiled
 def _longest_matches(ends, lengths, cap):
-    """The `cap` occurrences with the longest matches (the most recent among equals), in corpus order."""
-    # Most recent first, then a stable sort by length, longest first.
-    newest_first = np.arange(len(ends) - 1, -1, -1)
-    order = newest_first[np.argsort(-lengths[newest_first], kind="mergesort")][:cap]
-    order.sort()
-    return ends[order], lengths[order]
+    """The `cap` occurrences with the longest matches (the most recent among equals), in corpus
+    order. Counted by length rather than sorted: a context that repeats one token thousands of
+    times has as many occurrences, every one matching at length, and this runs on its every step."""
+    longest = 0
+    for i in range(len(lengths)):
+        longest = max(longest, lengths[i])
+    at_length = np.zeros(longest + 1, dtype=np.int64)
+    for i in range(len(lengths)):
+        at_length[lengths[i]] += 1
+    # Every occurrence longer than `shortest` is kept, and the most recent `of_shortest` at it.
+    kept, shortest = 0, longest
+    while shortest > 0 and kept + at_length[shortest] < cap:
+        kept += at_length[shortest]
+        shortest -= 1
+    of_shortest, first, taken = cap - kept, len(lengths), 0
+    for i in range(len(lengths) - 1, -1, -1):
+        if lengths[i] == shortest:
+            if taken == of_shortest:
+                break
+            taken += 1
+            first = i
+    chosen_ends, chosen_lengths, n = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), 0
+    for i in range(len(lengths)):
+        if lengths[i] > shortest or (lengths[i] == shortest and i >= first):
+            chosen_ends[n], chosen_lengths[n] = ends[i], lengths[i]
+            n += 1
+    return chosen_ends[:n], chosen_lengths[:n]
 
 
 @compiled
