@@ -395,7 +395,7 @@ def test_a_steps_shape_counts_what_the_step_computed():
     logit rows (one, plus one per draft token, the scheduler's -1 padding included), those of
     requests that sample, and the context each logit row attends over; with requests whose
     facts were not read yet (a partial prefill samples nothing) and drafts of requests the
-    step did not schedule."""
+    step did not schedule; and each request's draft tokens the step verified."""
     import random
 
     import numpy as np
@@ -439,6 +439,8 @@ def test_a_steps_shape_counts_what_the_step_computed():
             draft_tokens=draft_tokens,
             context_read=sum(logit_rows[r] * int(context[i]) for i, r in enumerate(req_ids)),
         )
+        for req_id in [*req_ids, "elsewhere"]:  # (the drafts it verified: the -1 padding is none)
+            assert view.verified_draft_tokens(req_id) == sum(token >= 0 for token in drafts.get(req_id, ()))
         for req_id in read:
             table.forget(req_id)
     nothing = SimpleNamespace(total_num_scheduled_tokens=0)

@@ -224,8 +224,9 @@ class StepView:
 
     def verified_draft_tokens(self, req_id: str) -> int:
         """Draft tokens this step verified for the request (the scheduler pads a draft it cut
-        short with -1)."""
-        return sum(token >= 0 for token in self.scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        short with -1, the only negative id it writes; counted in C, once per drafting row)."""
+        drafts = self.scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
+        return len(drafts) - drafts.count(-1)
 
     def accepted(self, row: int) -> int:
         """Draft tokens accepted in this row this step (the rest of its tokens is the bonus)."""
