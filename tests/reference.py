@@ -165,15 +165,3 @@ class LearningByObjects:
     def forget(self, req_id: str) -> None:
         self.by_request = {key: rate for key, rate in self.by_request.items() if key[0] != req_id}
         self.trusted.discard(req_id)
-
-
-def settled_by_rows(ahead: dict, step, accepted: dict, due: float, bounds: tuple) -> dict[str, float]:
-    """`row_ledger.RowLedger.settle`'s rule row by row in Python, written apart from its arrays:
-    each row of `step` still in the batch (in `accepted`), credited what plain decoding would
-    have spent on its tokens and charged the planned step, within `bounds`: the new ledger."""
-    (low, high), planned = bounds, step.planned_seconds
-    return {
-        req_id: min(max(ahead.get(req_id, 0.0) + (1 + accepted[req_id]) * due - planned, low), high)
-        for req_id in step.req_ids
-        if req_id in accepted
-    }

@@ -377,7 +377,7 @@ def lay_out_compiled(planner: DraftPlanner, offers, step_gains, step, prompts_wa
     # (the rule's inputs are read only where some row offers a draft: the kernel plans only then)
     protect = plan and planner.protect_rows and len(offers) > 1 and np.count_nonzero(offers.lookup_tokens) > 0
     if protect:
-        ahead = planner.ledger.ahead_of(offers.req_ids)
+        ahead = np.array(planner.ledger.ahead(offers.req_ids), dtype=np.float64)
         rule = (True, *planner.acceptance.trust_rule(offers, step_gains), ahead)
     else:
         rule = NO_RULE
@@ -433,7 +433,7 @@ def lay_out_in_python(planner: DraftPlanner, offers, step_gains, step, prompts_w
 def row_due(ledger: RowLedger, trusted: np.ndarray, offers: StepOffers, t_plain: float, t_verify: float) -> RowDue:
     """What the per-row rule holds a step's rows to: each row's pace (`ledger`), and whether
     its estimate is `trusted`."""
-    ahead = ledger.ahead_of(offers.req_ids)
+    ahead = np.array(ledger.ahead(offers.req_ids), dtype=np.float64)
     # A row behind its pace is credited nothing: its estimates have fallen short.
     return RowDue(t_plain, t_verify, trusted & (ahead >= 0), ahead)
 

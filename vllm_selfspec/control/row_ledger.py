@@ -38,12 +38,7 @@ class PlannedStep(NamedTuple):
 class RowLedger:
     slack: float  # the share of plain's rate a row may lose (`planner.ROW_SLACK`)
     planned: PlannedStep | None = None
-    # The rows of the last settled step and the seconds each is ahead of the slackened pace
-    # (negative: behind), in order: a step's rows are mostly the last step's, in the same order,
-    # and then it reads and settles them with no lookup per row (as arrays, past a few rows).
-    _req_ids: tuple[str, ...] = ()
-    _ahead: list[float] = field(default_factory=list)
-    _position: dict[str, int] | None = None  # req_id -> its place in `_req_ids`, made when asked
+    _ahead: dict[str, float] = field(default_factory=dict)  # seconds ahead of the slackened pace
 
     def plan_made(self, step: PlannedStep | None) -> None:
         """The step about to run (None: one the per-row rule does not cover)."""
@@ -57,45 +52,16 @@ class RowLedger:
         if accepted is None:
             return
         if step is None:
-            kept = tuple(r for r in accepted if r in self._places())
-            self._keep(kept, self.ahead(kept))
+            self._ahead = {req_id: self._ahead[req_id] for req_id in accepted if req_id in self._ahead}
             return
         due = step.plain_seconds / (1 - self.slack)
-        low, high = -MOST_BEHIND * step.plain_seconds, MOST_AHEAD * step.plain_seconds
-        req_ids, rows, planned = step.req_ids, len(step.req_ids), step.planned_seconds
-        if rows <= FEW_ROWS:  # (a few rows cost less one by one than in NumPy's calls)
-            tokens_of, kept, settled = accepted.get, [], []
-            for req_id, before in zip(req_ids, self.ahead(req_ids)):
-                tokens = tokens_of(req_id, -1)  # (-1: gone from the batch; accepted counts are never negative)
-                if tokens >= 0:
-                    kept.append(req_id)
-                    settled.append(min(max(before + (1 + tokens) * due - planned, low), high))
-            self._keep(req_ids if len(kept) == rows else tuple(kept), settled)
-            return
-        if tuple(accepted) == req_ids:  # (every row still in the batch, in order: most steps)
-            tokens = np.fromiter(accepted.values(), dtype=np.int64, count=rows)
-        else:
-            tokens = np.fromiter(map(accepted.get, req_ids, repeat(-1)), dtype=np.int64, count=rows)
-        # (in the order the rows' Python above computes each: the same bits)
-        before = np.array(self.ahead(req_ids), dtype=np.float64)
-        settled = np.minimum(np.maximum(before + (1 + tokens) * due - planned, low), high)
-        kept = tokens >= 0
-        if np.count_nonzero(kept) == rows:
-            self._keep(req_ids, settled.tolist())
-        else:
-            self._keep(tuple(r for r, k in zip(req_ids, kept.tolist()) if k), settled[kept].tolist())
+        bounds = (-MOST_BEHIND * step.plain_seconds, MOST_AHEAD * step.plain_seconds)
+        settle_rows = settled_by_arrays if len(step.req_ids) > FEW_ROWS else settled_by_rows
+        self._ahead = settle_rows(self._ahead, step, accepted, due, bounds)
 
-    def ahead(self, req_ids) -> list[float]:
-        """Per row, the seconds it is ahead of the slackened pace (negative: behind; 0 for a
-        row the ledger does not hold)."""
-        if req_ids == self._req_ids or tuple(req_ids) == self._req_ids:
-            return self._ahead[:]  # (the ledger's own stays its own)
-        places, ahead = self._places(), self._ahead
-        return [ahead[places[r]] if r in places else 0.0 for r in req_ids]
-
-    def ahead_of(self, req_ids) -> np.ndarray:
-        """`ahead`, as an array."""
-        return np.array(self.ahead(req_ids), dtype=np.float64)
+    def ahead(self, req_ids: list[str]) -> list[float]:
+        """Per row, the seconds it is ahead of the slackened pace (negative: behind)."""
+        return [self._ahead.get(req_id, 0.0) for req_id in req_ids]
 
     def room(self, req_ids: list[str], plain_seconds: float, planned_seconds: float) -> float:
         """How much longer than planned a step may grow for every one of these rows, crediting
@@ -104,28 +70,34 @@ class RowLedger:
         return min(self.ahead(req_ids)) + slack - (planned_seconds - plain_seconds)
 
     def forget(self, req_id: str) -> None:
-        place = self._places().get(req_id)
-        if place is not None:
-            self._keep(
-                self._req_ids[:place] + self._req_ids[place + 1 :], self._ahead[:place] + self._ahead[place + 1 :]
-            )
-
-    def entries(self) -> dict[str, float]:
-        """Each row held and the seconds it is ahead."""
-        return dict(zip(self._req_ids, self._ahead))
-
-    def _keep(self, req_ids: tuple[str, ...], ahead: list[float]) -> None:
-        self._req_ids, self._ahead, self._position = req_ids, ahead, None
-
-    def _places(self) -> dict[str, int]:
-        if self._position is None:
-            self._position = {r: i for i, r in enumerate(self._req_ids)}
-        return self._position
+        self._ahead.pop(req_id, None)
 
     def __len__(self) -> int:
-        return len(self._req_ids)
+        return len(self._ahead)
 
 
 # Up to this many rows a step's rows are settled one by one; past it, as arrays (whose NumPy calls
 # cost more than a few rows' Python, and far less than hundreds of rows').
 FEW_ROWS = 48
+
+
+def settled_by_rows(ahead: dict, step: PlannedStep, accepted: dict, due: float, bounds: tuple) -> dict[str, float]:
+    """Each row of `step` still in the batch (in `accepted`), credited what plain decoding would
+    have spent on its tokens and charged the planned step, within `bounds`: the new ledger."""
+    (low, high), planned, before = bounds, step.planned_seconds, ahead.get
+    return {
+        req_id: min(max(before(req_id, 0.0) + (1 + accepted[req_id]) * due - planned, low), high)
+        for req_id in step.req_ids
+        if req_id in accepted
+    }
+
+
+def settled_by_arrays(ahead: dict, step: PlannedStep, accepted: dict, due: float, bounds: tuple) -> dict[str, float]:
+    """`settled_by_rows` as arrays, a row each, to the last bit."""
+    rows = len(step.req_ids)
+    tokens = np.fromiter(map(accepted.get, step.req_ids, repeat(-1)), dtype=np.int64, count=rows)
+    before = np.fromiter(map(ahead.get, step.req_ids, repeat(0.0)), dtype=np.float64, count=rows)
+    settled = np.minimum(np.maximum(before + (1 + tokens) * due - step.planned_seconds, bounds[0]), bounds[1])
+    kept = tokens >= 0  # (the rows of the step still in the batch: accepted counts are never negative)
+    req_ids = step.req_ids if kept.all() else [r for r, k in zip(step.req_ids, kept.tolist()) if k]
+    return dict(zip(req_ids, settled[kept].tolist()))
