@@ -136,6 +136,31 @@ def test_the_counted_most_frequent_continuation_breaks_ties_as_the_rule_in_numpy
         assert (got.tokens.tolist(), got.match) == ([winner], 1)
 
 
+def test_continuations_whose_ids_collide_in_the_count_are_sorted_instead():
+    """Token ids chosen so that every one lands in the same slot of `lookup._tally`'s table (and
+    token 0 among them): the count gives up past MOST_PROBES slots and the continuations are
+    sorted, the same draft as the numpy rule's; ids that collide a little are counted."""
+    from vllm_selfspec.sources.lookup import MOST_PROBES, MOST_SORTED, TALLY_SLOTS
+
+    def colliding(n: int, slot: int) -> np.ndarray:
+        """n ids that `_tally` hashes to `slot`: (t ^ (t >> 9)) & mask is (h ^ slot) ^ h."""
+        return np.array([TALLY_SLOTS * h + (h ^ slot) for h in range(n)], dtype=np.int64)
+
+    rng = np.random.default_rng(12)
+    for case in range(60):
+        many = case % 2 == 0  # (past MOST_PROBES in one chain, or a few collisions only)
+        ids = colliding(MOST_SORTED + 10 if many else MOST_PROBES // 2, slot=int(rng.integers(0, 4)))
+        ids = np.append(ids, 0)  # (token 0: a token, not a free slot)
+        followers = rng.choice(ids, int(rng.integers(MOST_SORTED + 1, 200)))
+        before = rng.permutation(np.arange(10**6, 10**6 + len(followers) + 1))  # (each match: 1 token)
+        triples = np.stack([before[:-1], np.full_like(followers, 7), followers], axis=1)
+        context = np.append(triples.ravel(), [before[-1], 7])
+        got = suffix_draft(context, 8, None, 24, 0.0)
+        want = numpy_suffix_draft(context.astype(np.int64), 8, None, 24, 0.0)
+        assert (got.tokens.tolist(), got.probs, got.match) == (want.tokens.tolist(), want.probs, want.match)
+        assert got.match == 1 and len(got) == 1
+
+
 def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
     """`context_drafts` reads the rows in place, as vLLM holds them, and looks up again, for
     the full budget, a capped draft that copies (`row_lookup.budgeted_lookup_draft`'s rule)."""
@@ -161,6 +186,8 @@ def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
     assert copies > 50
     with pytest.raises(IndexError):  # (the kernel reads in place: a row outside the batch must not be read)
         context_drafts(np.zeros((2, 4), dtype=np.int32), [2], [4], [1])
+    with pytest.raises(IndexError):  # (nor a row's inputs past the shortest of them)
+        context_drafts(np.zeros((2, 4), dtype=np.int32), [0, 1], [4], [1, 1])
 
 
 def test_a_batchs_drafts_with_its_tenants_history_at_once_are_each_rows_lookup_draft():

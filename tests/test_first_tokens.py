@@ -415,7 +415,8 @@ def test_a_steps_shape_counts_what_the_step_computed():
         table.slots(read, requests)
         context = np.array([rng.randint(1, 4000) for _ in req_ids] + [9999], dtype=np.int32)  # (past the rows: unread)
         prompt_chunk = {r: rng.randint(2, 300) for r in req_ids if r not in read and rng.random() < 0.5}
-        drafts = {r: [5] * rng.randint(1, 8) + [-1] * rng.randint(0, 2) for r in read if rng.random() < 0.5}
+        draft = lambda: [rng.choice([0, 5])] * rng.randint(1, 8) + [-1] * rng.randint(0, 2)  # noqa: E731
+        drafts = {r: draft() for r in read if rng.random() < 0.5}
         drafts["elsewhere"] = [5, 5]  # (a request this step did not schedule)
         scheduled = {r: prompt_chunk.get(r, 1 + len(drafts.get(r, ()))) for r in req_ids}
         gone = [f"gone{step_index}-{i}" for i in range(rng.randint(0, 2))]  # (not in the batch: no context)

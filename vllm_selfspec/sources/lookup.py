@@ -302,7 +302,10 @@ def _indexed_suffix_draft(context, corpus, index, max_tokens, max_match, min_pro
 
 @compiled
 def _sort_small(keys, n):
-    """keys[:n] sorted in place, by insertion (few: up to MOST_SORTED)."""
+    """keys[:n] sorted in place: by insertion while few (up to MOST_SORTED), else numba's sort."""
+    if n > MOST_SORTED:
+        keys[:n].sort()
+        return
     for i in range(1, n):
         key, j = keys[i], i - 1
         while j >= 0 and keys[j] > key:
@@ -312,11 +315,14 @@ def _sort_small(keys, n):
 
 
 # Up to this many next tokens, the most frequent is found by sorting them (fast while few: the
-# usual case); past it, by counting them in a small hash table (`_tally`), whose time grows with
-# the tokens alone, where a sort's grows faster: a token that repeats through its context
-# (a list's separator, a table's border) has its continuations counted at every match length.
+# usual case); past it, by counting them in a small hash table (`_tally`), in time that grows
+# with the tokens where a sort's grows faster: a token that repeats through its context (a list's
+# separator, a table's border) has its continuations counted at every match length. Token ids
+# chosen to collide in the table would make each count a long probe: past MOST_PROBES slots the
+# count gives up and the tokens are sorted, so no input costs much more than the sort.
 MOST_SORTED = 32
 TALLY_SLOTS = 2 * MAX_OCCURRENCES_FOLLOWED  # a power of two, at least twice the tokens counted
+MOST_PROBES = 8
 assert TALLY_SLOTS & (TALLY_SLOTS - 1) == 0
 
 
@@ -324,13 +330,16 @@ assert TALLY_SLOTS & (TALLY_SLOTS - 1) == 0
 def _tally(keys, kept, tally):
     """`_most_frequent` by counting: each next token's count and latest place in an open-addressed
     table (`tally`: rows token, count, latest place, slots used; its token row -1 where free,
-    and left so)."""
-    mask, used = tally.shape[1] - 1, 0
+    and left so). (-1, -1) where a token's probe passed MOST_PROBES slots."""
+    mask, used, overflowed = tally.shape[1] - 1, 0, False
     for r in range(kept):
         token, place = keys[r] >> PLACE_BITS, keys[r] & PLACE_MASK
-        slot = (token ^ (token >> 9)) & mask
+        slot, probes = (token ^ (token >> 9)) & mask, 0
         while tally[0, slot] != -1 and tally[0, slot] != token:
-            slot = (slot + 1) & mask
+            slot, probes = (slot + 1) & mask, probes + 1
+        if probes > MOST_PROBES:
+            overflowed = True
+            break
         if tally[0, slot] == -1:
             tally[0, slot], tally[1, slot] = token, 0
             tally[3, used] = slot
@@ -344,16 +353,18 @@ def _tally(keys, kept, tally):
         if count > pick_count or (count == pick_count and last > pick_last):
             pick, pick_count, pick_last = tally[0, slot], count, last
         tally[0, slot] = -1
-    return pick, pick_count
+    return (-1, -1) if overflowed else (pick, pick_count)
 
 
 @compiled
 def _most_frequent(keys, kept, tally):
-    """(token, occurrences) of the most frequent next token in keys[:kept] (sorted in place if
-    few; else counted in `tally`); among equals, the one whose latest occurrence is the most
-    recent (a run's last key is its latest occurrence)."""
+    """(token, occurrences) of the most frequent next token in keys[:kept] (counted in `tally`
+    if many, else or should the count give up, sorted in place); among equals, the one whose
+    latest occurrence is the most recent (a run's last key is its latest occurrence)."""
     if kept > MOST_SORTED:
-        return _tally(keys, kept, tally)
+        pick, pick_count = _tally(keys, kept, tally)
+        if pick_count >= 0:
+            return pick, pick_count
     _sort_small(keys, kept)
     pick, pick_count, pick_last = -1, 0, -1
     run = 0
@@ -407,19 +418,21 @@ def _follow_occurrences(ends, context, corpus, max_tokens, max_match, min_prob):
     if len(ends) == 0 or longest < 1 or max_tokens < 1:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 0
     # Scratch, cut from one buffer of integers and one of floats (a typical row's lookup costs
-    # less than the dozen allocations it would otherwise make), per occurrence scanned: its match
-    # length, and while followed, its position and its next token as a sort key, the token's
+    # less than the dozen allocations it would otherwise make): per occurrence scanned its match
+    # length, and per one followed its position and its next token as a sort key, the token's
     # bits above its place among those followed (shifts: a division per key cost more than the
     # rest of the lookup), so that sorted keys group the occurrences by next token, the latest
     # last. The keys are distinct, so any sort orders them alike. (A token id must be below
     # 2**55 to fit: vocabularies are far smaller.) Then the occurrences by match length, the
     # draft followed and the best so far, and the `_tally` table if many are followed.
     scanned, steps_most = len(ends), min(max_tokens, longest)
-    tally_slots = TALLY_SLOTS if min(scanned, MAX_OCCURRENCES_FOLLOWED) > MOST_SORTED else 1
-    ints = np.empty(3 * scanned + longest + 1 + 2 * steps_most + 4 * tally_slots, dtype=np.int64)
+    most_followed = min(scanned, MAX_OCCURRENCES_FOLLOWED)  # (past it, the longest matches only)
+    tally_slots = TALLY_SLOTS if most_followed > MOST_SORTED else 1
+    ints = np.empty(scanned + 2 * most_followed + longest + 1 + 2 * steps_most + 4 * tally_slots, dtype=np.int64)
     floats = np.empty(2 * steps_most)
-    lengths, occurrences, keys = ints[:scanned], ints[scanned : 2 * scanned], ints[2 * scanned : 3 * scanned]
-    cut = 3 * scanned
+    lengths, occurrences = ints[:scanned], ints[scanned : scanned + most_followed]
+    keys = ints[scanned + most_followed : scanned + 2 * most_followed]
+    cut = scanned + 2 * most_followed
     at_length, cut = ints[cut : cut + longest + 1], cut + longest + 1
     tokens, best_tokens = ints[cut : cut + steps_most], ints[cut + steps_most : cut + 2 * steps_most]
     tally = ints[cut + 2 * steps_most :].reshape((4, tally_slots))
@@ -537,7 +550,8 @@ def _context_drafts(
         sources[i] = pool_source if from_pool else source
 
 
-_as_ints = functools.partial(np.asarray, dtype=np.int64)  # (no copy of what is one already)
+# (no copy of what is one already; contiguous, the layout the kernel is compiled for at start)
+_as_ints = functools.partial(np.ascontiguousarray, dtype=np.int64)
 
 # `_context_drafts`' pool arguments where the rows have none (one signature with and without)
 WITHOUT_POOL = (np.full(1, SEPARATOR, dtype=np.int64), TokenIndex.empty().searched(), False)

@@ -104,7 +104,8 @@ class RowLookup:
         lookup_seconds, self.rows_looked_up = 0.0, 0
         if self.options.lookup and look_up:
             looked_up = drafting
-            if failed or np.count_nonzero(stands_alone):  # (a row whose prediction raised is not looked up)
+            # (a row whose prediction stands alone, or raised, is not looked up)
+            if failed or np.count_nonzero(stands_alone):
                 skipped = stands_alone.tolist()
                 for i, _, _ in failed:
                     skipped[i] = True
