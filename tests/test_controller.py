@@ -188,6 +188,13 @@ def test_a_batchs_own_context_drafts_at_once_are_each_rows_lookup():
         context_drafts(np.zeros((2, 4), dtype=np.int32), [2], [4], [1])
     with pytest.raises(IndexError):  # (nor a row's inputs past the shortest of them)
         context_drafts(np.zeros((2, 4), dtype=np.int32), [0, 1], [4], [1, 1])
+    from types import SimpleNamespace
+
+    from vllm_selfspec.sources.step_drafts import StepDrafts
+
+    short = SimpleNamespace(**{**vars(StepDrafts.empty(2, 4)), "probs": np.ones((1, 4))})
+    with pytest.raises(IndexError):  # (nor drafts' arrays shorter than the rows they are written at)
+        context_drafts(np.zeros((2, 4), dtype=np.int32), [0, 1], [4, 4], [1, 1], into=short, at=np.array([0, 1]))
 
 
 def test_a_batchs_drafts_with_its_tenants_history_at_once_are_each_rows_lookup_draft():

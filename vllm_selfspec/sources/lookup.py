@@ -523,14 +523,16 @@ def _context_drafts(
     `step_drafts.StepDrafts`) where it matches more, or there is none; past a draft, zeros up to
     the largest full budget. Every index is checked before anything is read or written: the
     kernel reads vLLM's arrays in place."""
-    n_rows = len(rows)
+    n_rows, drafts = len(rows), len(lengths)
     if not (len(context_lengths) == len(budgets) == len(full_budgets) == len(at) == n_rows):
         raise IndexError("the rows' inputs differ in length")
+    if not (tokens.shape == probs.shape and tokens.shape[0] == len(match) == len(sources) == len(has_probs) == drafts):
+        raise IndexError("the step's drafts' arrays differ in shape")
     width = 1
     for r in range(n_rows):
         width = max(width, full_budgets[r])
     for r in range(n_rows):
-        if not 0 <= at[r] < len(lengths) or width > tokens.shape[1] or not 0 <= rows[r] < token_ids.shape[0]:
+        if not 0 <= at[r] < drafts or width > tokens.shape[1] or not 0 <= rows[r] < token_ids.shape[0]:
             raise IndexError("a draft row outside the step's drafts, or a row outside the batch")
         if budgets[r] > width:
             raise IndexError("a budget past the drafts' width")
