@@ -61,7 +61,15 @@ def generate(
     (`ray.init` must have been called)."""
     import ray
 
-    dataset = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
+    # Ray Data hands batches to the first replica up while the others still build their engines,
+    # and a short run can end before they are up: every replica starts before the rows flow. (A
+    # dataset takes a copy of the context when it is made.)
+    context = ray.data.DataContext.get_current()
+    waited, context.wait_for_min_actors_s = context.wait_for_min_actors_s, REPLICAS_START_WITHIN_S
+    try:
+        dataset = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
+    finally:
+        context.wait_for_min_actors_s = waited
     outputs = dataset.map_batches(
         SelfAdmgReplica,
         fn_constructor_kwargs=dict(
@@ -74,6 +82,9 @@ def generate(
     )
     rows = sorted(outputs.take_all(), key=lambda row: row["id"])
     return [{**row, "token_ids": [int(t) for t in row["token_ids"]]} for row in rows]
+
+
+REPLICAS_START_WITHIN_S = 900  # (an engine's start, compiling included, on a slow 2-core VM)
 
 
 def parse_args(argv=None):
