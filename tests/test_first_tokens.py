@@ -390,19 +390,25 @@ def test_a_steps_rows_read_at_once_are_each_row_read_alone():
     assert table.every_stop_id == {stop_id: held.count(stop_id) for stop_id in set(held)}
 
 
-def test_a_steps_shape_counts_what_the_step_computed():
-    """`StepView.shape` against each scheduled request counted alone: its prompt tokens, its
+@pytest.mark.parametrize("few_requests", [0, 1_000_000])
+def test_a_steps_shape_counts_what_the_step_computed(few_requests, monkeypatch):
+    """`StepView.shape`, request by request and as arrays (`few_requests`: where one gives way
+    to the other), against each scheduled request counted alone: its prompt tokens, its
     logit rows (one, plus one per draft token, the scheduler's -1 padding included), those of
-    requests that sample, and the context each logit row attends over; with requests whose
-    facts were not read yet (a partial prefill samples nothing) and drafts of requests the
-    step did not schedule; and each request's draft tokens the step verified."""
+    requests that sample, and the context each logit row attends over; with rows that sampled
+    a token (counted as arrays), requests whose facts were not read yet (a partial prefill
+    samples nothing), a row that sampled but was not scheduled (counted by no step of vLLM's,
+    but not counted here either), and drafts of requests the step did not schedule; and each
+    request's draft tokens the step verified."""
     import random
 
     import numpy as np
     from vllm.sampling_params import SamplingParams
 
+    from vllm_selfspec.vllm_integration import runner_state
     from vllm_selfspec.vllm_integration.runner_state import RequestTable, StepShape, StepView
 
+    monkeypatch.setattr(runner_state, "FEW_REQUESTS", few_requests)
     rng = random.Random(5)
     table = RequestTable()
     for step_index in range(40):
@@ -421,6 +427,12 @@ def test_a_steps_shape_counts_what_the_step_computed():
         scheduled = {r: prompt_chunk.get(r, 1 + len(drafts.get(r, ()))) for r in req_ids}
         gone = [f"gone{step_index}-{i}" for i in range(rng.randint(0, 2))]  # (not in the batch: no context)
         scheduled.update(dict.fromkeys(gone, 1))
+        # Rows that sampled a token: most of the rest, read or not; one not scheduled at times.
+        sampled = [[7] if r not in prompt_chunk and rng.random() < 0.8 else [] for r in req_ids]
+        if rng.random() < 0.3:
+            unscheduled = rng.choice([r for r in req_ids if r not in prompt_chunk])
+            del scheduled[unscheduled]
+            sampled[req_ids.index(unscheduled)] = [7]
         out = SimpleNamespace(
             total_num_scheduled_tokens=sum(scheduled.values()),
             num_scheduled_tokens=scheduled,
@@ -429,16 +441,17 @@ def test_a_steps_shape_counts_what_the_step_computed():
         batch = SimpleNamespace(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, num_tokens_no_spec=context
         )
-        view = StepView(SimpleNamespace(input_batch=batch, requests=requests), out, [[]] * len(req_ids), table)
-        logit_rows = {r: 1 + (len(drafts[r]) if r in drafts else 0) for r in req_ids}
-        samples = {r: requests[r].sampling_params.temperature > 0 for r in req_ids}
-        draft_tokens = sum(len(drafts[r]) for r in req_ids if r in drafts)
+        view = StepView(SimpleNamespace(input_batch=batch, requests=requests), out, sampled, table)
+        ran = [r for r in req_ids if r in scheduled]
+        logit_rows = {r: 1 + (len(drafts[r]) if r in drafts else 0) for r in ran}
+        samples = {r: requests[r].sampling_params.temperature > 0 for r in ran}
+        draft_tokens = sum(len(drafts[r]) for r in ran if r in drafts)
         assert view.shape() == StepShape(
             prompt_tokens=sum(prompt_chunk.values()) - len(prompt_chunk),
-            logit_rows=len(req_ids) + len(gone) + draft_tokens,
-            sampled_rows=sum(logit_rows[r] for r in req_ids if samples[r]),
+            logit_rows=len(ran) + len(gone) + draft_tokens,
+            sampled_rows=sum(logit_rows[r] for r in ran if samples[r]),
             draft_tokens=draft_tokens,
-            context_read=sum(logit_rows[r] * int(context[i]) for i, r in enumerate(req_ids)),
+            context_read=sum(logit_rows[r] * int(context[i]) for i, r in enumerate(req_ids) if r in scheduled),
         )
         for req_id in [*req_ids, "elsewhere"]:  # (the drafts it verified: the -1 padding is none)
             assert view.verified_draft_tokens(req_id) == sum(token >= 0 for token in drafts.get(req_id, ()))

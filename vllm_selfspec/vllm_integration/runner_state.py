@@ -159,6 +159,9 @@ class RequestTable(RequestSlots):
 
 
 OUTPUT_TOKEN_IDS = operator.attrgetter("output_token_ids")
+# Up to this many requests a step's shape is counted one by one; past it, its rows as arrays
+# (whose NumPy calls cost more than a few requests' Python, and far less than hundreds').
+FEW_REQUESTS = 48
 
 
 class StepView:
@@ -233,13 +236,15 @@ class StepView:
         return len(self.sampled_token_ids[row]) - 1
 
     def shape(self) -> StepShape | None:
-        """What the step that ran computed. Row by row: at the batches a step holds (up to a few
-        hundred rows), a few operations a row cost less than the dozen NumPy calls that would
-        gather the same from the scheduler's dicts."""
+        """What the step that ran computed: request by request in a step of a few (a few
+        operations a request cost less than the NumPy calls that would gather the same), else
+        `_shape_by_arrays`."""
         out = self.scheduler_output
         if not out.total_num_scheduled_tokens:
             return None
         scheduled, drafts = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens
+        if len(scheduled) > FEW_REQUESTS:
+            return self._shape_by_arrays(out)
         slot_of, index = self.facts.slot_of, self.batch.req_id_to_index
         sampled, context = self.facts.sampled, self.batch.num_tokens_no_spec
         draft_tokens = sampled_rows = context_read = 0
@@ -256,6 +261,42 @@ class StepView:
         return StepShape(
             max(out.total_num_scheduled_tokens - len(scheduled) - draft_tokens, 0),
             len(scheduled) + draft_tokens,
+            sampled_rows,
+            draft_tokens,
+            context_read,
+        )
+
+    def _shape_by_arrays(self, out) -> StepShape:
+        """`shape` of a step of many requests, to the same counts: the rows that sampled a
+        token, a logit row each, as arrays; one by one only the requests with drafts and those
+        that sampled nothing (a prompt's chunk), so that a row that drafted nothing costs no
+        Python."""
+        scheduled, drafts, rows = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens, self.rows
+        index, context, sampled = self.batch.req_id_to_index, self.batch.num_tokens_no_spec, self.facts.sampled
+        ran = np.fromiter(map(scheduled.__contains__, rows.req_ids), dtype=bool, count=len(rows))
+        logit_rows = int(np.count_nonzero(ran))
+        sampled_rows = int(np.count_nonzero(rows.sampled & ran))
+        context_read = int(context[rows.index[ran]].sum(dtype=np.int64))
+        draft_tokens = 0
+        for req_id, draft in drafts.items():  # (a padded draft's -1s count too)
+            row = index.get(req_id, -1)
+            if req_id in scheduled and row >= 0 and self.sampled_token_ids[row]:
+                draft_tokens, logit_rows = draft_tokens + len(draft), logit_rows + len(draft)
+                context_read += len(draft) * int(context[row])
+                sampled_rows += len(draft) if sampled[self.facts.slot_of[req_id]] else 0
+        if logit_rows - draft_tokens < len(scheduled):  # (a request that sampled nothing, or not in the batch)
+            sampled_ids = set(itertools.compress(rows.req_ids, ran))
+            for req_id in scheduled.keys() - sampled_ids:
+                extra = len(drafts[req_id]) if req_id in drafts else 0
+                row = index.get(req_id, -1)
+                if row >= 0:
+                    context_read += (extra + 1) * int(context[row])
+                draft_tokens, logit_rows = draft_tokens + extra, logit_rows + extra + 1
+                if self.samples(req_id):
+                    sampled_rows += extra + 1
+        return StepShape(
+            max(out.total_num_scheduled_tokens - len(scheduled) - draft_tokens, 0),
+            logit_rows,
             sampled_rows,
             draft_tokens,
             context_read,
