@@ -462,7 +462,11 @@ class AcceptanceModel:
     def step_gains(self, offers) -> StepGains:
         """`lookup_gains` of every row of a step's offers (`offers.StepOffers`) at once, to the
         last bit: each token's bin and prior from its agreement share, its rate from the bins'
-        array, the products along each row: one compiled call."""
+        array, the products along each row: one compiled call (none where no row offers a
+        token: the kernel's zeros, and no request's slot read)."""
+        if not np.count_nonzero(offers.lookup_tokens):
+            shape = (len(offers), 1)
+            return StepGains(np.zeros(shape), np.zeros(shape), np.full(shape, -1, dtype=np.int64), np.zeros(shape))
         slots = self.requests.slots(offers.req_ids)
         # Per source, by its index: its rate and calibration factor (self-drafts', unread: ones).
         rates, calibrated = self.rates, self.estimate_calibration
