@@ -1725,7 +1725,7 @@ def test_the_compiled_plan_is_the_plan_python_makes():
             plans.append(controller.plan(batch, self_budget=budget, gains=gains, **when))
             if compiled:  # (rows trusted by the bins their tokens fall in, not by their own drafts)
                 acceptance = controller.acceptance
-                own = acceptance.requests.trusted[acceptance.requests.slots(batch.req_ids)]
+                own = acceptance.requests.trusted[acceptance.slots(batch, gains)]
                 trusted_by_bins += int((acceptance.trusted_rows(batch, gains) & ~own).sum())
         compiled, python = (
             {k: v.tolist() if hasattr(v, "tolist") else v for k, v in x._asdict().items()} for x in layouts
@@ -1874,23 +1874,31 @@ def test_a_steps_gains_at_once_are_each_offers_gains_to_the_last_bit():
     assert compared > 2000 and learned > 100 and trusted_by_bins > 100, (compared, learned, trusted_by_bins)
 
 
-def test_a_step_no_row_offers_to_has_the_kernels_gains_without_calling_it():
-    """Where no row offers a lookup token, `step_gains` skips the kernel: its gains are what
-    the kernel makes of such a step (a column of zeros, bins -1), array for array."""
+def test_a_step_where_no_row_offers_gets_the_kernels_gains_without_calling_it(monkeypatch):
+    """Where no row offers a lookup token, `step_gains` skips the kernel and reads no request's
+    slot: its gains are what the kernel makes of such a step (a column of zeros, bins -1), array
+    for array, and the slots are read where asked for (`AcceptanceModel.slots`)."""
+    from vllm_selfspec.control import acceptance as acceptance_module
     from vllm_selfspec.control.acceptance import AGREEMENT, MATCH, SOURCES, AcceptanceModel, _lookup_gains
 
     acceptance = AcceptanceModel()
     for rows in (1, 5):
         step = StepOffers.of([RowOffer(f"r{i}", sampled=i % 2 == 1, lookup_match=i) for i in range(rows)])
+        with monkeypatch.context() as patched:
+            patched.setattr(acceptance_module, "_lookup_gains", None)  # (called, it raises)
+            gains = acceptance.step_gains(step)
+        assert gains.slots is None and not acceptance.requests.slot_of
         offered = (step.lookup_tokens, step.sampled, step.match, step.has_probs, step.probs)
         own = (acceptance.requests.seen, acceptance.requests.accepted, acceptance.requests.trials)
+        slots = acceptance.slots(step, gains)
+        assert slots.tolist() == [acceptance.requests.slot_of[f"r{i}"] for i in range(rows)]
         kernel = _lookup_gains(
-            acceptance.requests.slots(step.req_ids), (*offered, acceptance._bin_rates, AGREEMENT, MATCH),
-            step.sources, np.ones((len(SOURCES), 2)), own,
-        )  # fmt: skip
-        gains = acceptance.step_gains(step)
+            slots, (*offered, acceptance._bin_rates, AGREEMENT, MATCH), step.sources, np.ones((len(SOURCES), 2)), own
+        )
         for made, expected in zip(gains[:4], kernel):
             assert made.dtype == expected.dtype and made.shape == expected.shape and np.array_equal(made, expected)
+        for i in range(rows):
+            acceptance.forget(f"r{i}")
 
 
 def test_a_steps_drafts_learned_at_once_are_each_draft_learned_in_turn():

@@ -129,7 +129,9 @@ class StepGains(NamedTuple):
     estimated: np.ndarray
     bins: np.ndarray
     priors: np.ndarray
-    slots: np.ndarray | None = None  # each row's request slot (`request_rates.RequestRates`)
+    # Each row's request slot (`request_rates.RequestRates`); None where no row offered a token
+    # (`AcceptanceModel.step_gains` read none): `AcceptanceModel.slots` reads them then.
+    slots: np.ndarray | None = None
 
     def expected(self, rows, lengths) -> tuple[np.ndarray, np.ndarray]:
         """The tokens of each row's first `length` the planner expected accepted, and unscaled
@@ -407,9 +409,14 @@ class AcceptanceModel:
             return own
         return all(self._bin_verified[bin_id(token_bin)] >= TRUSTED_BIN_TOKENS for token_bin in set(offer.lookup_bins))
 
+    def slots(self, offers, gains: StepGains) -> np.ndarray:
+        """Each row's request slot: the gains' own, or read now where the step read none (never
+        `gains.slots` itself unread: NumPy takes an index of None as a new axis)."""
+        return self.requests.slots(offers.req_ids) if gains.slots is None else gains.slots
+
     def trusted_rows(self, offers, gains: StepGains) -> np.ndarray:
         """`trusted` of every row of a step's offers (`offers.StepOffers`), as an array."""
-        slots = self.requests.slots(offers.req_ids) if gains.slots is None else gains.slots
+        slots = self.slots(offers, gains)
         own = self.requests.trusted[slots]
         bins = gains.bins
         verified = np.where(bins >= 0, self._bin_verified[bins], TRUSTED_BIN_TOKENS) >= TRUSTED_BIN_TOKENS
@@ -420,7 +427,7 @@ class AcceptanceModel:
         """What `trusted_rows` reads, for the compiled plan (`lookup_plan.steady_lookup_plan`):
         each slot's own trust, each row's slot, each token's bin, each bin's verified tokens,
         the tokens a bin is trusted at, and the prediction's source index."""
-        slots = self.requests.slots(offers.req_ids) if gains.slots is None else gains.slots
+        slots = self.slots(offers, gains)
         prediction = SOURCE_INDEX[DraftSource.PREDICTION]
         return self.requests.trusted, slots, gains.bins, self._bin_verified, TRUSTED_BIN_TOKENS, prediction
 

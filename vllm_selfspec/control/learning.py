@@ -115,7 +115,7 @@ class StepLessons:
         at, lengths = np.array(rows, dtype=np.int64), np.array(lengths, dtype=np.int64)
         planned, estimated = gains.expected(at, lengths)
         sources = offers.sources[at]
-        slots = gains.slots if gains.slots is not None else self.controller.acceptance.requests.slots(offers.req_ids)
+        slots = self.controller.acceptance.slots(offers, gains)
         # (rank 0's plan, which every rank follows, may draft a row past the draft this rank
         # found: its tokens past that have no bin, -1)
         self.made = DraftsMade(

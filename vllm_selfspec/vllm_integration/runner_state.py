@@ -270,7 +270,9 @@ class StepView:
         """`shape` of a step of many requests, to the same counts: the rows that sampled a
         token, a logit row each, as arrays; one by one only the requests with drafts and those
         that sampled nothing (a prompt's chunk), so that a row that drafted nothing costs no
-        Python."""
+        Python of its own (`map` and `fromiter` pass over it in C). As vLLM's batch keeps them,
+        `req_id_to_index` is the inverse of `req_ids`. Reads `rows` (and so gives new rows their
+        slots), which a step has read already."""
         scheduled, drafts, rows = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens, self.rows
         index, context, sampled = self.batch.req_id_to_index, self.batch.num_tokens_no_spec, self.facts.sampled
         ran = np.fromiter(map(scheduled.__contains__, rows.req_ids), dtype=bool, count=len(rows))
@@ -280,7 +282,7 @@ class StepView:
         draft_tokens = 0
         for req_id, draft in drafts.items():  # (a padded draft's -1s count too)
             row = index.get(req_id, -1)
-            if req_id in scheduled and row >= 0 and self.sampled_token_ids[row]:
+            if req_id in scheduled and 0 <= row < len(self.sampled_token_ids) and self.sampled_token_ids[row]:
                 draft_tokens, logit_rows = draft_tokens + len(draft), logit_rows + len(draft)
                 context_read += len(draft) * int(context[row])
                 sampled_rows += len(draft) if sampled[self.facts.slot_of[req_id]] else 0
