@@ -9,6 +9,7 @@ import functools
 import itertools
 import math
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -237,42 +238,45 @@ class StepView:
 
     def shape(self) -> StepShape | None:
         """What the step that ran computed: request by request in a step of a few (a few
-        operations a request cost less than the NumPy calls that would gather the same), else
-        `_shape_by_arrays`."""
+        operations a request cost less than the NumPy calls that would gather the same); past
+        FEW_REQUESTS, the rows that sampled a token as arrays (`_rows_counted_at_once`), and
+        one by one only the requests left."""
         out = self.scheduler_output
         if not out.total_num_scheduled_tokens:
             return None
         scheduled, drafts = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens
+        left, logit_rows, draft_tokens, sampled_rows, context_read = scheduled, 0, 0, 0, 0
         if len(scheduled) > FEW_REQUESTS:
-            return self._shape_by_arrays(out)
+            ran, (logit_rows, draft_tokens, sampled_rows, context_read) = self._rows_counted_at_once(out)
+            # (a request that sampled nothing, or not in the batch, is left)
+            left = scheduled.keys() - set(ran) if logit_rows - draft_tokens < len(scheduled) else ()
         slot_of, index = self.facts.slot_of, self.batch.req_id_to_index
         sampled, context = self.facts.sampled, self.batch.num_tokens_no_spec
-        draft_tokens = sampled_rows = context_read = 0
-        for req_id in scheduled:
-            logit_rows = len(drafts[req_id]) + 1 if req_id in drafts else 1  # (a padded draft's -1s too)
-            draft_tokens += logit_rows - 1
+        for req_id in left:
+            rows_of_request = len(drafts[req_id]) + 1 if req_id in drafts else 1  # (a padded draft's -1s too)
+            logit_rows, draft_tokens = logit_rows + rows_of_request, draft_tokens + rows_of_request - 1
             row = index.get(req_id, -1)
             if row >= 0:
-                context_read += logit_rows * int(context[row])
+                context_read += rows_of_request * int(context[row])
             slot = slot_of.get(req_id, -1)
             # (a request not read yet, one that sampled nothing, is read now: a partial prefill)
             if sampled[slot] if slot >= 0 else self.samples(req_id):
-                sampled_rows += logit_rows
+                sampled_rows += rows_of_request
         return StepShape(
             max(out.total_num_scheduled_tokens - len(scheduled) - draft_tokens, 0),
-            len(scheduled) + draft_tokens,
+            logit_rows,
             sampled_rows,
             draft_tokens,
             context_read,
         )
 
-    def _shape_by_arrays(self, out) -> StepShape:
-        """`shape` of a step of many requests, to the same counts: the rows that sampled a
-        token, a logit row each, as arrays; one by one only the requests with drafts and those
-        that sampled nothing (a prompt's chunk), so that a row that drafted nothing costs no
-        Python of its own (`map` and `fromiter` pass over it in C). As vLLM's batch keeps them,
-        `req_id_to_index` is the inverse of `req_ids`. Reads `rows` (and so gives new rows their
-        slots), which a step has read already."""
+    def _rows_counted_at_once(self, out) -> tuple[Iterator[str], tuple[int, int, int, int]]:
+        """The scheduled rows that sampled a token, counted as arrays, and one by one only those
+        with drafts, so that a row that drafted nothing costs no Python of its own (`map` and
+        `fromiter` pass over it in C): their request ids (lazily), and their (logit rows, draft tokens,
+        sampling logit rows, context read). As vLLM's batch keeps them, `req_id_to_index` is the
+        inverse of `req_ids`. Reads `rows` (and so gives new rows their slots), which a step has
+        read already."""
         scheduled, drafts, rows = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens, self.rows
         index, context, sampled = self.batch.req_id_to_index, self.batch.num_tokens_no_spec, self.facts.sampled
         ran = np.fromiter(map(scheduled.__contains__, rows.req_ids), dtype=bool, count=len(rows))
@@ -286,23 +290,7 @@ class StepView:
                 draft_tokens, logit_rows = draft_tokens + len(draft), logit_rows + len(draft)
                 context_read += len(draft) * int(context[row])
                 sampled_rows += len(draft) if sampled[self.facts.slot_of[req_id]] else 0
-        if logit_rows - draft_tokens < len(scheduled):  # (a request that sampled nothing, or not in the batch)
-            sampled_ids = set(itertools.compress(rows.req_ids, ran))
-            for req_id in scheduled.keys() - sampled_ids:
-                extra = len(drafts[req_id]) if req_id in drafts else 0
-                row = index.get(req_id, -1)
-                if row >= 0:
-                    context_read += (extra + 1) * int(context[row])
-                draft_tokens, logit_rows = draft_tokens + extra, logit_rows + extra + 1
-                if self.samples(req_id):
-                    sampled_rows += extra + 1
-        return StepShape(
-            max(out.total_num_scheduled_tokens - len(scheduled) - draft_tokens, 0),
-            logit_rows,
-            sampled_rows,
-            draft_tokens,
-            context_read,
-        )
+        return itertools.compress(rows.req_ids, ran), (logit_rows, draft_tokens, sampled_rows, context_read)
 
     def context_lengths(self, rows: np.ndarray | list[int]) -> np.ndarray:
         """Each row's context length (int64): its tokens up to its last sampled one."""
